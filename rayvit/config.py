@@ -1,0 +1,442 @@
+"""One typed config tree for every layer of rayvit.
+
+A :class:`Config` is a tree of dataclasses (``model``, ``precision``, ``optim``, ``parallel``, ``data``,
+``train``, ``tracking``, ...). It is loaded from YAML, overridden with ``section.key=value`` strings in the
+style of a command line, validated once, and recorded with every run as a plain dict.
+
+Allowed values are written into the type annotations (``Literal[...]``), so one generic checker covers
+every field and error messages can always say what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key, value or combination of values that rayvit cannot run."""
+
+
+# Standard ViT sizes (Dosovitskiy et al. 2021; "Ti" from DeiT): width, depth, heads, MLP width, patch.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "vit_ti16": dict(hidden_dim=192, depth=12, num_heads=3, mlp_dim=768, patch_size=16),
+    "vit_s16": dict(hidden_dim=384, depth=12, num_heads=6, mlp_dim=1536, patch_size=16),
+    "vit_b16": dict(hidden_dim=768, depth=12, num_heads=12, mlp_dim=3072, patch_size=16),
+    "vit_l16": dict(hidden_dim=1024, depth=24, num_heads=16, mlp_dim=4096, patch_size=16),
+    "vit_h16": dict(hidden_dim=1280, depth=32, num_heads=16, mlp_dim=5120, patch_size=16),
+    "vit_h14": dict(hidden_dim=1280, depth=32, num_heads=16, mlp_dim=5120, patch_size=14),
+}
+_ARCH_KEYS = ("hidden_dim", "depth", "num_heads", "mlp_dim", "patch_size")
+
+
+@dataclass
+class ModelConfig:
+    """The ViT: a named size (or ``custom``) plus the study's architectural options."""
+
+    name: Literal["custom", "vit_ti16", "vit_s16", "vit_b16", "vit_l16", "vit_h16", "vit_h14"] = "custom"
+    # Architecture; filled from the preset when ``name`` is not ``custom``.
+    hidden_dim: Optional[int] = 64
+    depth: Optional[int] = 2
+    num_heads: Optional[int] = 4
+    mlp_dim: Optional[int] = 128
+    patch_size: Optional[int] = 4
+    image_size: int = 32
+    num_classes: int = 10
+    stem: Literal["patchify", "conv"] = "patchify"
+    # Conv stem ("early convolutions"): one stride-s 3x3 conv + BN + ReLU per entry, then a 1x1 conv to
+    # the hidden width. The strides must multiply to the patch size. Empty = derived: log2(patch) stride-2
+    # convs whose widths double up to hidden_dim / 2.
+    conv_stem_dims: list[int] = field(default_factory=list)
+    conv_stem_strides: list[int] = field(default_factory=list)
+    classifier: Literal["token", "pooled"] = "token"
+    layout: Literal["batch_first", "batch_second"] = "batch_first"
+    dropout: float = 0.0
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision, named after the familiar AMP optimisation levels.
+
+    ``fp32`` = O0, ``amp`` = O1 (autocast), ``mixed`` = O2 (half weights, fp32 master copy and optimizer
+    state), ``pure`` = O3 (everything half, the study's "full FP16").
+    """
+
+    mode: Literal["fp32", "amp", "mixed", "pure"] = "fp32"
+    dtype: Literal["fp16", "bf16"] = "bf16"
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    # loop = one kernel per tensor; foreach = multi-tensor apply (the study's MTA optimizer); fused = one
+    # fused kernel where torch has one for the device.
+    impl: Literal["loop", "foreach", "fused"] = "foreach"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    momentum: float = 0.9
+    # Learning-rate schedule: linear warm-up then cosine (or constant) to min_lr_ratio * lr.
+    schedule: Literal["cosine", "constant"] = "cosine"
+    lr_warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    label_smoothing: float = 0.0
+    grad_clip: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    """How workers share the model: DDP is the baseline every comparison is made against."""
+
+    strategy: Literal["ddp", "fsdp", "fairscale_oss", "fairscale_fsdp"] = "ddp"
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: int = 1
+    accelerator_type: Optional[str] = None
+    # PACK keeps workers together; SPREAD puts them on different nodes.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # FSDP: True reshards parameters after forward (ZeRO-3-like); False keeps them (ZeRO-2-like).
+    reshard_after_forward: bool = True
+    # FSDP gradient reduction dtype under the half-precision levels.
+    reduce_dtype: Literal["fp32", "half"] = "fp32"
+
+
+@dataclass
+class DataConfig:
+    name: Literal["synthetic", "digits", "parquet"] = "synthetic"
+    # parquet: a file or folder of shards with image-bytes and label columns.
+    path: Optional[str] = None
+    val_path: Optional[str] = None
+    image_column: str = "image"
+    label_column: str = "label"
+    # synthetic: number of distinct fixed batches cycled through.
+    synthetic_batches: int = 4
+    # digits / parquet: fraction held out for validation when no val_path is given.
+    val_fraction: float = 0.2
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 16
+    steps: int = 20
+    # Steps excluded from the throughput window (compilation, allocator and cache warm-up).
+    warmup_steps: int = 5
+    seed: int = 0
+    # Report metrics to Ray every N steps (each report costs ~2 s, so never per step).
+    report_every: int = 10
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    max_failures: int = 0
+    # Fault injection: crash `fail_rank` once when it reaches this step (0 = off).
+    fail_at_step: int = 0
+    fail_rank: int = 0
+    compile: bool = False
+
+
+@dataclass
+class TrackingConfig:
+    # MLflow tracking URI; empty means $MLFLOW_TRACKING_URI, else an absolute local sqlite store.
+    uri: Optional[str] = None
+    experiment: Optional[str] = None
+
+
+LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
+                "batch_second", "image_256", "full_half")
+STRATEGIES = ("ddp", "fsdp", "fairscale_oss", "fairscale_fsdp")
+
+
+@dataclass
+class SweepConfig:
+    """A scaling sweep (every strategy at every worker count) or the study's optimization ladder."""
+
+    # Sweep name = MLflow parent run name; rerunning the same name resumes (skips finished points).
+    name: Optional[str] = None
+    mode: Literal["scaling", "ladder"] = "scaling"
+    strategies: list[str] = field(default_factory=lambda: ["ddp", "fsdp", "fairscale_oss"])
+    worker_counts: list[int] = field(default_factory=lambda: [1, 2])
+    # Ladder mode: cumulative rungs, run at parallel.num_workers workers.
+    rungs: list[str] = field(default_factory=lambda: list(LADDER_RUNGS))
+    # Ladder mode: image size of the "image_256" rung (256 on GPUs; smaller for CPU ladders).
+    ladder_image_size: int = 256
+
+
+@dataclass
+class SearchConfig:
+    """A Ray Tune search for the fastest setting within an accuracy budget of the baseline."""
+
+    name: Optional[str] = None
+    # Dotted config key -> candidate values, e.g. {"precision.mode": ["amp", "pure"]}.
+    space: dict[str, list[Any]] = field(default_factory=dict)
+    algorithm: Literal["grid", "optuna"] = "grid"
+    num_samples: int = 8
+    # The reference trial: overrides applied to the base config (fp32, base image size, baseline optim).
+    baseline: dict[str, Any] = field(default_factory=lambda: {"precision.mode": "fp32"})
+    # Largest allowed absolute drop in validation accuracy (0.02 = two accuracy points).
+    max_accuracy_drop: float = 0.02
+    objective: Literal["tflops_per_chip", "images_per_sec", "time_to_accuracy"] = "tflops_per_chip"
+    # time_to_accuracy: the validation accuracy a trial must reach.
+    target_accuracy: float = 0.9
+    asha: bool = False
+    max_concurrent_trials: int = 0
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flatten(self) -> dict[str, Any]:
+        """``{"model.name": ..., ...}``: the form used for MLflow params and result tables."""
+        return {f"{section}.{key}": value for section, values in self.to_dict().items()
+                for key, value in values.items()}
+
+    def replace(self, overrides: Iterable[str] | dict[str, Any] = ()) -> "Config":
+        """A validated copy with ``section.key`` overrides applied."""
+        return from_dict(self.to_dict(), overrides)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading, coercion and validation
+
+
+def load_config(path: str | os.PathLike | None = None,
+                overrides: Iterable[str] | dict[str, Any] = ()) -> Config:
+    """Read a YAML config (or the defaults), apply ``section.key=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        with open(path) as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return from_dict(data, overrides)
+
+
+def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = ()) -> Config:
+    """Build a validated :class:`Config` from nested dicts plus overrides."""
+    data = copy.deepcopy(data)
+    for key, value in _parse_overrides(overrides):
+        section, _, name = key.partition(".")
+        if not name:
+            raise ConfigError(f"override {key!r} must look like section.key=value")
+        if section not in data or data[section] is None:
+            data[section] = {}
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"section {section!r} must be a mapping")
+        data[section][name] = value
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def _parse_overrides(overrides: Iterable[str] | dict[str, Any]) -> list[tuple[str, Any]]:
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    pairs = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        pairs.append((key.strip(), _parse_scalar(raw.strip())))
+    return pairs
+
+
+def _parse_scalar(raw: str) -> Any:
+    """CLI values: YAML scalars/lists (``[2, 2]``), or a comma list (``ddp,fsdp``)."""
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and "," in value:
+        return [_parse_scalar(part.strip()) for part in value.split(",")]
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = prefix.rstrip(".") or "config"
+        raise ConfigError(f"unknown key {prefix + unknown[0]!r} in {where}; allowed: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], prefix + name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if value in ("", "none", "None", "null"):
+            return None
+        return _coerce(value, inner[0], key)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            value = [value]
+        return [_coerce(v, args[0] if args else Any, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return {str(k): (_coerce(v, args[1], f"{key}.{k}") if args else v) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{key}={value!r} must be a boolean (true/false)")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} must be an integer") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r} must be a number") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return str(value)
+    return value
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks, run once at load time. Resolves model presets in place."""
+    m = cfg.model
+    if m.name != "custom":
+        preset = MODEL_PRESETS[m.name]
+        for key in _ARCH_KEYS:
+            given = getattr(m, key)
+            default = getattr(ModelConfig, key)
+            if given not in (None, default, preset[key]):
+                raise ConfigError(
+                    f"model.{key}={given} conflicts with model.name={m.name} ({key}={preset[key]}); "
+                    f"use model.name=custom to set the architecture yourself")
+            setattr(m, key, preset[key])
+    for key in _ARCH_KEYS:
+        _check(getattr(m, key) is not None and getattr(m, key) > 0,
+               f"model.{key} must be a positive integer for model.name=custom")
+    _check(m.image_size > 0, f"model.image_size={m.image_size} must be positive")
+    _check(m.image_size % m.patch_size == 0,
+           f"model.image_size={m.image_size} must be divisible by model.patch_size={m.patch_size}")
+    _check(m.hidden_dim % m.num_heads == 0,
+           f"model.num_heads={m.num_heads} must divide model.hidden_dim={m.hidden_dim}")
+    _check(m.num_classes >= 2, f"model.num_classes={m.num_classes} must be at least 2")
+    _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    if m.stem == "conv":
+        if not m.conv_stem_strides and not m.conv_stem_dims:
+            n = int(math.log2(m.patch_size))
+            _check(2 ** n == m.patch_size,
+                   f"model.patch_size={m.patch_size} is not a power of two: set model.conv_stem_strides "
+                   "and model.conv_stem_dims for the conv stem")
+            m.conv_stem_strides = [2] * n
+            m.conv_stem_dims = [max(8, m.hidden_dim >> (n - i)) for i in range(n)]
+        _check(len(m.conv_stem_dims) == len(m.conv_stem_strides) and m.conv_stem_dims,
+               f"model.conv_stem_dims {m.conv_stem_dims} and model.conv_stem_strides "
+               f"{m.conv_stem_strides} must be non-empty lists of equal length")
+        _check(math.prod(m.conv_stem_strides) == m.patch_size,
+               f"model.conv_stem_strides {m.conv_stem_strides} multiply to "
+               f"{math.prod(m.conv_stem_strides)}, but must multiply to model.patch_size={m.patch_size}")
+        _check(all(d > 0 for d in m.conv_stem_dims), "model.conv_stem_dims must be positive")
+
+    o = cfg.optim
+    _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps must be >= 0")
+
+    p = cfg.parallel
+    _check(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be at least 1")
+    _check(p.cpus_per_worker >= 1, f"parallel.cpus_per_worker={p.cpus_per_worker} must be at least 1")
+    if p.strategy == "fairscale_fsdp" and not p.use_gpu:
+        raise ConfigError(
+            "parallel.strategy=fairscale_fsdp needs CUDA GPUs (FairScale's FSDP uses CUDA streams and "
+            "fails on CPU); set parallel.use_gpu=true on a GPU cluster, or use parallel.strategy=fsdp "
+            "(PyTorch FSDP2), which runs on CPU too")
+
+    d = cfg.data
+    if d.name == "parquet":
+        _check(bool(d.path), "data.name=parquet needs data.path (a parquet file or folder of shards)")
+    _check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _check(d.synthetic_batches >= 1, "data.synthetic_batches must be at least 1")
+
+    t = cfg.train
+    _check(t.batch_size > 0, f"train.batch_size={t.batch_size} must be positive")
+    _check(t.steps > 0, f"train.steps={t.steps} must be positive")
+    _check(0 <= t.warmup_steps < t.steps,
+           f"train.warmup_steps={t.warmup_steps} must be >= 0 and below train.steps={t.steps} "
+           "so that at least one step is timed")
+    _check(t.report_every >= 1, "train.report_every must be at least 1")
+    for key in ("eval_every", "checkpoint_every", "max_failures", "fail_at_step"):
+        _check(getattr(t, key) >= 0, f"train.{key} must be >= 0")
+    s = cfg.sweep
+    unknown = sorted(set(s.strategies) - set(STRATEGIES))
+    _check(not unknown, f"sweep.strategies has unknown {unknown}; allowed: {', '.join(STRATEGIES)}")
+    _check("ddp" in s.strategies, "sweep.strategies must include ddp, the baseline every point is compared to")
+    _check(bool(s.worker_counts) and all(n >= 1 for n in s.worker_counts),
+           f"sweep.worker_counts={s.worker_counts} must be a non-empty list of positive integers")
+    unknown = sorted(set(s.rungs) - set(LADDER_RUNGS))
+    _check(not unknown, f"sweep.rungs has unknown {unknown}; allowed: {', '.join(LADDER_RUNGS)}")
+    _check(s.ladder_image_size > 0, "sweep.ladder_image_size must be positive")
+
+    q = cfg.search
+    _check(q.max_accuracy_drop >= 0, f"search.max_accuracy_drop={q.max_accuracy_drop} must be >= 0")
+    _check(q.num_samples >= 1, "search.num_samples must be at least 1")
+    _check(q.max_concurrent_trials >= 0, "search.max_concurrent_trials must be >= 0")
+
+    _check(0 <= t.fail_rank < p.num_workers,
+           f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers})")
