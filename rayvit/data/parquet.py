@@ -1,0 +1,247 @@
+"""Parquet image datasets: encoded image bytes plus an integer label per row.
+
+Two readers share one decoder: :func:`load_split` (pyarrow + PIL in this process, for single-process
+runs and benchmarks) and :func:`ray_datasets` (Ray Data, decoding in parallel tasks, for distributed
+runs). Ray is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from rayvit.config import Config, ConfigError
+from rayvit.data.batching import (Batch, Transform, check_num_classes, seeded_split, split_sizes,
+                                  uint8_normaliser)
+
+if TYPE_CHECKING:
+    import ray.data
+
+CLASS_NAMES_KEY = b"class_names"  # schema metadata written by to_parquet: JSON list of class names
+
+
+# --------------------------------------------------------------------------------------------------
+# Files and metadata
+
+
+def parquet_files(path: str, key: str = "data.path") -> list[str]:
+    """Absolute paths of the parquet file ``path`` or of the ``*.parquet`` shards under a folder."""
+    abspath = os.path.abspath(path)
+    if os.path.isfile(abspath):
+        return [abspath]
+    if os.path.isdir(abspath):
+        files = sorted(os.path.join(root, name) for root, _, names in os.walk(abspath)
+                       for name in names if name.endswith(".parquet") and not name.startswith("."))
+        if files:
+            return files
+        raise ConfigError(f"{key}={path} is a folder with no .parquet files")
+    hint = "" if os.path.isabs(path) else (
+        f" (relative to {os.getcwd()}; Ray Train workers change directory, so give an absolute path)")
+    raise ConfigError(f"{key}={path} does not exist{hint}")
+
+
+def read_table(path: str, cfg: Config, key: str, images: bool = True) -> pa.Table:
+    """The label (and, with ``images``, image) columns of a parquet dataset, with clear errors."""
+    d = cfg.data
+    files = parquet_files(path, key)
+    columns = [d.image_column, d.label_column] if images else [d.label_column]
+    schema = pq.read_schema(files[0])
+    missing = [c for c in columns if c not in schema.names]
+    if missing:
+        raise ConfigError(f"{key}={path} has no column {missing[0]!r} (columns: {', '.join(schema.names)}); "
+                          f"set data.image_column / data.label_column")
+    return pa.concat_tables([pq.read_table(f, columns=columns) for f in files])
+
+
+def class_names(path: str) -> Optional[list[str]]:
+    """Class names that to_parquet stored in the schema metadata, if any."""
+    meta = pq.read_schema(parquet_files(path)[0]).metadata or {}
+    return json.loads(meta[CLASS_NAMES_KEY]) if CLASS_NAMES_KEY in meta else None
+
+
+def _labels(table: pa.Table, column: str, key: str) -> np.ndarray:
+    labels = table.column(column).to_numpy().astype(np.int64)
+    if len(labels) and labels.min() < 0:
+        raise ConfigError(f"{key} has negative labels in column {column!r}; labels must be 0..C-1")
+    return labels
+
+
+@dataclass
+class ParquetInfo:
+    """Sizes and class count of a parquet dataset, from footers and the label column only."""
+
+    num_train: int
+    num_val: int
+    num_classes: int
+
+
+def parquet_info(cfg: Config) -> ParquetInfo:
+    """Split sizes and class count, checked against ``model.num_classes``; reads no image bytes."""
+    d = cfg.data
+    labels = _labels(read_table(d.path, cfg, "data.path", images=False), d.label_column, "data.path")
+    if d.val_path:
+        val = _labels(read_table(d.val_path, cfg, "data.val_path", images=False), d.label_column,
+                      "data.val_path")
+        num_train, num_val = len(labels), len(val)
+        labels = np.concatenate([labels, val])
+    else:
+        num_train, num_val = split_sizes(len(labels), d.val_fraction)
+    names = class_names(d.path) or []
+    num_classes = max(len(names), int(labels.max()) + 1 if len(labels) else 0)
+    check_num_classes(num_classes, cfg.model.num_classes, f"data.path={d.path}")
+    return ParquetInfo(num_train, num_val, num_classes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding
+
+
+def decode_image(data: bytes, image_size: int) -> np.ndarray:
+    """Encoded PNG/JPEG bytes -> uint8 (3, S, S): RGB, resized (bilinear) to a square."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        # JPEG can decode straight to a smaller scale (DCT scaling), much cheaper than a full decode.
+        img.draft("RGB", (image_size, image_size))
+        img = img.convert("RGB")
+        if img.size != (image_size, image_size):
+            img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
+        return np.asarray(img).transpose(2, 0, 1)
+
+
+def decode_images(encoded: list[bytes], image_size: int, threads: int = 0) -> np.ndarray:
+    """Decode many images to uint8 (N, 3, S, S); PIL releases the GIL, so threads run in parallel."""
+    out = np.empty((len(encoded), 3, image_size, image_size), dtype=np.uint8)
+    threads = threads or min(8, os.cpu_count() or 1)
+
+    def work(i: int) -> None:
+        out[i] = decode_image(encoded[i], image_size)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(len(encoded))))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Without Ray: pyarrow + PIL in this process
+
+
+def load_split(cfg: Config, device: torch.device):
+    """Decoded train/val splits as uint8 (N, 3, S, S) images and int64 labels on ``device``.
+
+    Every image is decoded once, up front, and held as uint8 (N x 3 x S x S bytes; about 150 kB per
+    image at 224 px) so that steps pay only a gather and a normalisation. For datasets that do not fit,
+    use the Ray Data path. Returns ``((train_x, train_y), val_or_None, num_classes)``.
+    """
+    d, size = cfg.data, cfg.model.image_size
+
+    def load(path: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        table = read_table(path, cfg, key)
+        labels = _labels(table, d.label_column, key)
+        images = decode_images(table.column(d.image_column).to_pylist(), size)
+        return torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
+
+    info = parquet_info(cfg)
+    train = load(d.path, "data.path")
+    if d.val_path:
+        val = load(d.val_path, "data.val_path")
+    else:
+        train_idx, val_idx = seeded_split(len(train[1]), d.val_fraction, cfg.train.seed)
+        x, y = train
+        train_idx, val_idx = train_idx.to(device), val_idx.to(device)
+        train, val = (x[train_idx], y[train_idx]), (x[val_idx], y[val_idx])
+    return train, val, info.num_classes
+
+
+# --------------------------------------------------------------------------------------------------
+# Through Ray Data
+
+
+def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column: str,
+                  image_size: int) -> dict[str, np.ndarray]:
+    """Ray Data map_batches body: encoded bytes -> fixed-shape uint8 (N, 3, S, S) + int64 labels."""
+    return {"image": decode_images(list(batch[image_column]), image_size, threads=1),
+            "label": np.asarray(batch[label_column], dtype=np.int64)}
+
+
+def ray_datasets(cfg: Config) -> dict[str, "ray.data.Dataset"]:
+    """Ray Datasets for ``TorchTrainer(datasets=...)``: ``"train"``, and ``"val"`` when there is one.
+
+    Rows come out decoded and resized as uint8 ``image`` (3, S, S) and int64 ``label``; normalisation
+    to float32 happens on the worker's device in :func:`shard_train_batches` (4x less data through the
+    object store and host-to-device copies than float32). Paths are made absolute here because Train
+    workers run in another directory. The class count is checked here, before any worker starts.
+    """
+    import ray.data
+    from ray.data import FileShuffleConfig
+
+    d = cfg.data
+    parquet_info(cfg)  # fails fast on missing files, columns or too many classes
+    decode = dict(fn_kwargs=dict(image_column=d.image_column, label_column=d.label_column,
+                                 image_size=cfg.model.image_size), batch_format="numpy")
+
+    def read(path: str, key: str, **kwargs: Any) -> "ray.data.Dataset":
+        return ray.data.read_parquet(parquet_files(path, key), columns=[d.image_column, d.label_column],
+                                     **kwargs)
+
+    if d.val_path:
+        # File order is reshuffled every epoch (seeded; a new seed per execution).
+        train = read(d.path, "data.path", shuffle=FileShuffleConfig(seed=cfg.train.seed))
+        val = read(d.val_path, "data.val_path")
+    else:
+        # A seeded global shuffle then a cut (materialises the encoded rows; fine for the small datasets
+        # that have no validation split of their own).
+        train, val = read(d.path, "data.path").train_test_split(
+            test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
+    return {"train": train.map_batches(_decode_batch, **decode),
+            "val": val.map_batches(_decode_batch, **decode)}
+
+
+def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0,
+                        world_size: int = 1) -> Iterator[Batch]:
+    """Endless train batches from a Ray ``DataIterator`` (one pass per epoch; incomplete batches dropped).
+
+    Ray Train splits the dataset disjointly across workers; a local shuffle buffer, seeded per epoch and
+    rank, reorders rows differently every epoch.
+    """
+    normalise = uint8_normaliser(device)
+    batch_size = cfg.train.batch_size
+    epoch = 0
+    while True:
+        steps = 0
+        for batch in shard.iter_torch_batches(
+                batch_size=batch_size, drop_last=True, device="cpu",
+                local_shuffle_buffer_size=max(1024, 4 * batch_size),
+                local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
+            yield _to_device(batch, normalise, device)
+            steps += 1
+        if steps == 0:
+            raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
+                              f"train.batch_size={batch_size}; lower it or use more data")
+        epoch += 1
+
+
+def shard_val_batches(shard: Any, cfg: Config, device: torch.device):
+    """A callable that yields one pass over a Ray validation shard (incomplete last batch kept)."""
+    normalise = uint8_normaliser(device)
+
+    def batches() -> Iterator[Batch]:
+        for batch in shard.iter_torch_batches(batch_size=cfg.train.batch_size, drop_last=False,
+                                              device="cpu"):
+            yield _to_device(batch, normalise, device)
+
+    return batches
+
+
+def _to_device(batch: dict[str, torch.Tensor], normalise: Transform, device: torch.device) -> Batch:
+    images = batch["image"].to(device, non_blocking=True)
+    return normalise(images), batch["label"].to(device=device, dtype=torch.int64, non_blocking=True)
