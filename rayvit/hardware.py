@@ -1,0 +1,90 @@
+"""Accelerator detection and the peak FLOP/s that MFU divides by."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Optional
+
+import torch
+
+# Dense (no sparsity) peak TFLOP/s per dtype, from NVIDIA's data sheets:
+#   V100 SXM2: "NVIDIA Tesla V100 GPU Architecture" whitepaper (15.7 fp32, 125 fp16 tensor; no bf16 units).
+#   A100 SXM4: "NVIDIA A100 Tensor Core GPU" data sheet (19.5 fp32, 156 tf32, 312 fp16/bf16).
+#   H100 SXM5: "NVIDIA H100 Tensor Core GPU" data sheet (67 fp32, 494.7 tf32, 989.4 fp16/bf16; the sheet's
+#   larger figures are with 2:4 sparsity).
+#   H200 SXM: "NVIDIA H200 Tensor Core GPU" data sheet, same compute as H100 SXM (more, faster memory).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "V100": {"fp32": 15.7, "tf32": 15.7, "fp16": 125.0, "bf16": 15.7},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+    "H200": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
+}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def accelerator_name(device: torch.device) -> str:
+    """A short name for the chip: 'A100', 'H100', ... the CUDA device name otherwise, or 'cpu'."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for known in PEAK_TFLOPS:
+            if known in name:
+                return known
+        return name
+    return "cpu"
+
+
+def _table_key(dtype: torch.dtype) -> str:
+    key = _DTYPE_NAMES[dtype]
+    # fp32 matmuls use TF32 tensor cores only when torch is told to (off by default for matmul).
+    if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return key
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """Peak FLOP/s for ``dtype`` on ``device`` and where the figure came from ('table' or 'measured').
+
+    Known GPUs use the data-sheet table. Elsewhere (CPUs, unknown GPUs) there is no trustworthy table, so
+    a large matmul is timed once per process: MFU then reads as a fraction of the achievable matmul rate.
+    """
+    name = accelerator_name(device)
+    if name in PEAK_TFLOPS:
+        return PEAK_TFLOPS[name][_table_key(dtype)] * 1e12, "table"
+    return measured_matmul_flops(device.type, dtype, torch.get_num_threads()), "measured"
+
+
+@functools.lru_cache(maxsize=None)
+def measured_matmul_flops(device_type: str, dtype: torch.dtype, threads: int, n: Optional[int] = None) -> float:
+    """Best-of-several rate of an n x n matmul in ``dtype``, with the threads the worker was given."""
+    device = torch.device(device_type)
+    n = n or (1024 if device_type == "cpu" else 8192)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for _ in range(4):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory (CUDA), or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

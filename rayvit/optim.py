@@ -1,0 +1,101 @@
+"""Optimizers (AdamW, Adam, SGD) in three implementations, and the learning-rate schedule.
+
+``loop`` runs one set of kernels per tensor, ``foreach`` is the study's multi-tensor-apply (MTA)
+optimizer (one kernel over lists of tensors), ``fused`` is a single fused kernel where torch has one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from rayvit.config import ConfigError, OptimConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed weights, and biases / norm weights / position embedding / class token.
+
+    Decided from parameter objects (dimensionality and the model's ``no_weight_decay()``), never from
+    names, so the grouping is the same after DDP or FSDP wrapping renames or replaces parameters.
+    """
+    inner = getattr(model, "module", model)
+    skip = {id(p) for p in getattr(inner, "no_weight_decay", lambda: [])()}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or id(p) in skip else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _impl_flags(impl: str, name: str, params: list[torch.Tensor]) -> dict:
+    if impl == "loop":
+        return {"foreach": False}
+    if impl == "foreach":
+        return {"foreach": True}
+    device_types = {p.device.type for p in params}
+    supported = set(torch.optim.optimizer._get_fused_kernels_supported_devices())
+    dtensor = any(type(p.data).__name__ == "DTensor" for p in params)
+    if not device_types <= supported or dtensor:
+        where = "sharded (DTensor) parameters" if dtensor else f"device {sorted(device_types)}"
+        raise ConfigError(
+            f"optim.impl=fused: torch {torch.__version__} has no fused {name} for {where} "
+            f"(fused kernels exist for {sorted(supported)}); use optim.impl=foreach")
+    return {"fused": True}
+
+
+def optimizer_spec(cfg: OptimConfig, params: list[torch.Tensor], *, eps: Optional[float] = None
+                   ) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and keyword arguments named by ``cfg`` (wrappers such as OSS need them apart)."""
+    flags = _impl_flags(cfg.impl, cfg.name, params)
+    eps = cfg.eps if eps is None else eps
+    if cfg.name == "sgd":
+        return torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, **flags)
+    # Adam's weight decay is L2 added to the gradient; AdamW's is decoupled from it.
+    cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+    return cls, dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=eps, **flags)
+
+
+def build_optimizer(cfg: OptimConfig, groups: list[dict], *, eps: Optional[float] = None) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg`` over prepared parameter groups (see :func:`param_groups`)."""
+    cls, kwargs = optimizer_spec(cfg, [p for g in groups for p in g["params"]], eps=eps)
+    return cls(groups, **kwargs)
+
+
+def lr_factor(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """Multiplier on ``cfg.lr`` at ``step``: linear warm-up, then cosine (or constant) decay."""
+    if cfg.lr_warmup_steps and step < cfg.lr_warmup_steps:
+        return (step + 1) / cfg.lr_warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.lr_warmup_steps)
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total_steps))
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank actually holds (local shards only)."""
+    # FairScale OSS keeps this rank's partition in an inner optimizer; its own .state is a view for users.
+    optimizer = getattr(optimizer, "optim", optimizer)
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                t = value.to_local() if hasattr(value, "to_local") else value
+                total += t.numel() * t.element_size()
+    return total
+
+
+def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total

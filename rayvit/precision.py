@@ -1,0 +1,163 @@
+"""Precision levels, named after the AMP optimisation levels practitioners know.
+
+| mode    | AMP level | weights used in compute | optimizer sees                | loss scaling (fp16) |
+| ------- | --------- | ----------------------- | ----------------------------- | ------------------- |
+| `fp32`  | O0        | fp32                    | fp32 params, fp32 state       | no                  |
+| `amp`   | O1        | fp32, ops autocast      | fp32 params, fp32 state       | yes                 |
+| `mixed` | O2        | half                    | fp32 master copy, fp32 state  | yes                 |
+| `pure`  | O3        | half                    | half params, half state       | yes                 |
+
+``mixed`` is the study's "more advanced AMP mode"; ``pure`` is its "full FP16". Under FSDP2 the ``mixed``
+level is FSDP's own mixed-precision policy (sharded fp32 parameters are the master copy, unsharded
+compute parameters are half), so no separate master copy is kept. bf16 needs no loss scaling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from rayvit.config import ConfigError, PrecisionConfig
+
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_warned_cpu_fp16 = False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 that also works on half-precision gradients (``pure``).
+
+    ``torch.amp.GradScaler`` refuses to unscale fp16 gradients, which is exactly the O3 case, so one small
+    scaler serves every fp16 level. Overflow checks are all-reduced: sharded ranks hold different grads.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_interval: int = 200) -> None:
+        self.scale = init_scale
+        self.growth_interval = growth_interval
+        self._good_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide grads by the scale in place; True when every grad on every rank is finite."""
+        local = [_local(g) for g in grads]
+        if local:
+            torch._foreach_mul_(local, 1.0 / self.scale)
+            norms = torch._foreach_norm(local)
+            bad = torch.stack([n.float() for n in norms]).isfinite().logical_not().any().float()
+        else:
+            bad = torch.zeros(())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        finite = not bool(bad.item())
+        if finite:
+            self._good_steps += 1
+            if self._good_steps >= self.growth_interval:
+                self.scale *= 2.0
+                self._good_steps = 0
+        else:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self._good_steps = 0
+        return finite
+
+
+class MasterWeights:
+    """fp32 master copies of half-precision model parameters (the ``mixed`` level without FSDP)."""
+
+    def __init__(self, model_params: list[torch.nn.Parameter]) -> None:
+        self.model_params = model_params
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in model_params]
+        self._by_id = {id(p): m for p, m in zip(model_params, self.masters)}
+
+    def master_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        return self._by_id[id(param)]
+
+    def grads_to_masters(self) -> None:
+        for p, m in zip(self.model_params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        torch._foreach_copy_(self.model_params, self.masters)
+
+
+class Precision:
+    """One precision level, resolved for a device and a parallel strategy."""
+
+    def __init__(self, cfg: PrecisionConfig, device: torch.device, strategy: str = "ddp") -> None:
+        self.mode = cfg.mode
+        self.dtype_name = cfg.dtype
+        self.device = device
+        self.half = HALF_DTYPES[cfg.dtype]
+        self.fsdp = strategy in ("fsdp", "fairscale_fsdp")
+        if self.mode == "mixed" and strategy == "fairscale_oss":
+            raise ConfigError(
+                "precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
+                "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
+                "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
+        global _warned_cpu_fp16
+        if self.mode != "fp32" and self.half is torch.float16 and device.type == "cpu" and not _warned_cpu_fp16:
+            _warned_cpu_fp16 = True
+            warnings.warn(
+                "precision.dtype=fp16 on CPU: legal but very slow (no fast fp16 CPU kernels; ~15x slower "
+                "than fp32 here). Use precision.dtype=bf16 on CPUs.", UserWarning, stacklevel=2)
+        self.scaler: Optional[LossScaler] = (
+            LossScaler() if self.mode != "fp32" and self.half is torch.float16 else None)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in."""
+        return torch.float32 if self.mode == "fp32" else self.half
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the model is stored in before it is wrapped (FSDP's mixed policy casts itself)."""
+        if self.mode == "pure" or (self.mode == "mixed" and not self.fsdp):
+            return self.half
+        return torch.float32
+
+    @property
+    def uses_master_weights(self) -> bool:
+        return self.mode == "mixed" and not self.fsdp
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.to(dtype=self.param_dtype)
+
+    def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(self.compute_dtype if self.mode in ("mixed", "pure") else torch.float32)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mode == "amp":
+            return torch.autocast(self.device.type, dtype=self.half)
+        return contextlib.nullcontext()
+
+    def adam_eps(self, eps: float) -> float:
+        """fp16 cannot hold 1e-8 (it rounds to 0 and 0/0 follows), so ``pure`` fp16 raises the floor."""
+        if self.mode == "pure" and self.half is torch.float16:
+            return max(eps, 1e-4)
+        return eps
+
+    def fsdp_policy(self, reduce_dtype: str = "fp32"):
+        """FSDP2 ``MixedPrecisionPolicy`` for the ``mixed`` level, else None."""
+        if not (self.fsdp and self.mode == "mixed"):
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.half,
+                                    reduce_dtype=torch.float32 if reduce_dtype == "fp32" else self.half)
+
+    def describe(self) -> str:
+        return self.mode if self.mode == "fp32" else f"{self.mode}-{self.dtype_name}"
+
+
+def grads_of(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
