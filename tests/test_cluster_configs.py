@@ -1,0 +1,306 @@
+"""The cluster configs in cluster/ agree with Ray, KubeRay, the package and the A100 study.
+
+Fast and offline: no cluster, no network. The launcher YAML goes through Ray's own config
+preparation and validator (the same calls `ray up` makes before it talks to AWS).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import tomllib
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
+from ray.runtime_env import RuntimeEnv
+
+from rayvit.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "cluster"
+LAUNCHER = CLUSTER / "aws-p4d.yaml"
+RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
+RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
+RUNTIME_ENV = CLUSTER / "runtime_env.yaml"
+README = CLUSTER / "README.md"
+STUDY = "experiments/configs/study_a100.yaml"
+
+GPUS_PER_NODE = 8  # p4d.24xlarge: 8x A100
+MIN_NODES, MAX_NODES = 1, 8
+MLFLOW_URI = "http://127.0.0.1:5000"
+# rayproject/ray or rayproject/ray-ml, tag {version}[-py3x][-cpu|-gpu|-cuXXX][-arch].
+IMAGE_RE = re.compile(r"^rayproject/ray(?:-ml)?:(?P<version>\d+\.\d+\.\d+)(?:-py3\d+)?(?:-(?:cpu|gpu|cu\d+))?")
+
+
+def _yaml(path: Path) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _docs(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def _raycluster() -> dict:
+    (doc,) = [d for d in _docs(RAYCLUSTER) if d["kind"] == "RayCluster"]
+    return doc
+
+
+def _gpu_worker_type(cfg: dict) -> dict:
+    (worker,) = [t for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"]]
+    return worker
+
+
+def _gpu_group(rc: dict) -> dict:
+    (group,) = rc["spec"]["workerGroupSpecs"]
+    return group
+
+
+def _containers(pod_template: dict) -> list[dict]:
+    return pod_template["spec"]["containers"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray cluster launcher (AWS)
+
+
+def test_launcher_config_passes_rays_own_validator():
+    # What `ray up` does before contacting AWS: fill defaults, then validate against ray-schema.json.
+    config = prepare_config(_yaml(LAUNCHER))
+    validate_config(config)
+
+
+def test_launcher_validator_rejects_a_broken_copy():
+    # Proves the validator above is live: a misspelt node-type field must be refused...
+    config = _yaml(LAUNCHER)
+    _gpu_worker_type(config)["max_worker"] = 8
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(config))
+    # ...and so must more guaranteed workers than the cluster may have.
+    config = _yaml(LAUNCHER)
+    _gpu_worker_type(config)["min_workers"] = config["max_workers"] + 1
+    with pytest.raises(ValueError, match="max_workers"):
+        validate_config(prepare_config(config))
+
+
+def test_launcher_has_cpu_head_and_1_to_8_p4d_workers_with_8_gpus_each():
+    config = _yaml(LAUNCHER)
+    head = config["available_node_types"][config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    assert not head["node_config"]["InstanceType"].startswith(("p", "g"))  # no GPU instance family
+    worker = _gpu_worker_type(config)
+    assert worker["node_config"]["InstanceType"] == "p4d.24xlarge"
+    assert worker["resources"]["GPU"] == GPUS_PER_NODE
+    assert (worker["min_workers"], worker["max_workers"]) == (MIN_NODES, MAX_NODES)
+    assert config["max_workers"] == MAX_NODES
+    # After Ray's preparation the head may start no workers of its own type.
+    prepared = prepare_config(_yaml(LAUNCHER))
+    assert prepared["available_node_types"][config["head_node_type"]]["max_workers"] == 0
+
+
+def test_launcher_gives_gpu_workers_the_efa_and_nccl_environment():
+    docker = _yaml(LAUNCHER)["docker"]
+    options = " ".join(docker.get("run_options", []) + docker.get("worker_run_options", []))
+    env = dict(re.findall(r"--env\s+(\w+)=(\S+)", options))
+    assert env["FI_PROVIDER"] == "efa"
+    assert env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["NCCL_DEBUG"] == "WARN"
+    assert "NCCL_SOCKET_IFNAME" in env
+    assert "/opt/amazon/efa/lib" in env["LD_LIBRARY_PATH"]
+    assert "--device=/dev/infiniband/uverbs0" in options
+    interfaces = _gpu_worker_type(_yaml(LAUNCHER))["node_config"]["NetworkInterfaces"]
+    assert [i["InterfaceType"] for i in interfaces] == ["efa"] * 4  # p4d.24xlarge has 4 EFA cards
+
+
+def test_launcher_installs_the_project_and_syncs_the_checkout():
+    config = _yaml(LAUNCHER)
+    (remote,) = [remote for remote, local in config["file_mounts"].items() if local == "."]
+    assert any(cmd.strip() == f"pip install -e {remote}" for cmd in config["setup_commands"])
+    for heavy in (".venv", ".git", "mlflow.db"):
+        assert heavy in config["rsync_exclude"]
+
+
+def test_mlflow_server_listens_on_loopback_only():
+    head_cmds = " ".join(_yaml(LAUNCHER)["head_start_ray_commands"])
+    (sidecar,) = [c for c in _containers(_raycluster()["spec"]["headGroupSpec"]["template"])
+                  if c["name"] == "mlflow"]
+    for command in (head_cmds, " ".join(sidecar["command"] + sidecar["args"])):
+        assert "mlflow server" in command
+        invocation = command.split("mlflow server", 1)[1].split("ray start")[0]
+        assert re.findall(r"--host\s+(\S+)", invocation) == ["127.0.0.1"]
+        assert re.search(r"--port\s+5000\b", invocation)
+
+
+# --------------------------------------------------------------------------------------------------
+# KubeRay
+
+
+def test_raycluster_manifest_has_required_fields():
+    rc = _raycluster()
+    assert rc["apiVersion"] == "ray.io/v1"
+    assert rc["kind"] == "RayCluster"
+    assert rc["metadata"]["name"]
+    spec = rc["spec"]
+    major_minor = ".".join(ray.__version__.split(".")[:2])
+    assert spec["rayVersion"].startswith(major_minor + "."), (spec["rayVersion"], ray.__version__)
+    head = spec["headGroupSpec"]
+    assert isinstance(head["rayStartParams"], dict)
+    head_containers = _containers(head["template"])
+    assert head_containers[0]["name"] == "ray-head"  # KubeRay runs `ray start` in container 0
+    for c in head_containers:
+        assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {})
+    # The MLflow volume claim referenced by the head pod is defined in the same file.
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in head["template"]["spec"]["volumes"]
+              if "persistentVolumeClaim" in v}
+    defined = {d["metadata"]["name"] for d in _docs(RAYCLUSTER) if d["kind"] == "PersistentVolumeClaim"}
+    assert claims and claims <= defined
+
+
+def test_raycluster_gpu_group_has_8_gpus_per_pod_and_1_to_8_replicas():
+    group = _gpu_group(_raycluster())
+    assert group["groupName"]
+    assert (group["minReplicas"], group["maxReplicas"]) == (MIN_NODES, MAX_NODES)
+    assert MIN_NODES <= group["replicas"] <= MAX_NODES
+    assert isinstance(group["rayStartParams"], dict)
+    (worker,) = _containers(group["template"])
+    limits, requests = worker["resources"]["limits"], worker["resources"]["requests"]
+    # Kubernetes requires GPU requests == limits; KubeRay derives --num-gpus from the limit.
+    assert int(limits["nvidia.com/gpu"]) == GPUS_PER_NODE
+    assert int(requests["nvidia.com/gpu"]) == GPUS_PER_NODE
+    env = {e["name"]: e["value"] for e in worker.get("env", [])}
+    assert env["NCCL_DEBUG"] == "WARN" and env["NCCL_SOCKET_IFNAME"]
+
+
+def test_rayjob_runs_the_a100_study_on_the_raycluster():
+    (job,) = _docs(RAYJOB)
+    assert job["apiVersion"] == "ray.io/v1"
+    assert job["kind"] == "RayJob"
+    assert job["metadata"].get("name") or job["metadata"].get("generateName")
+    spec = job["spec"]
+    assert spec["entrypoint"].split() == ["python", "experiments/scaling.py", "--config", STUDY]
+    # The job targets the RayCluster defined next to it (or brings its own cluster spec).
+    if "clusterSelector" in spec:
+        assert spec["clusterSelector"]["ray.io/cluster"] == _raycluster()["metadata"]["name"]
+        assert not spec.get("shutdownAfterJobFinishes")  # never tear down a shared cluster
+    else:
+        assert spec["rayClusterSpec"]["workerGroupSpecs"]
+
+
+def test_rayjob_runtime_env_matches_cluster_runtime_env():
+    (job,) = _docs(RAYJOB)
+    job_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
+    RuntimeEnv(**job_env)  # Ray's own type checks (pip list, env_vars as str -> str)
+    file_env = _yaml(RUNTIME_ENV)
+    assert job_env["pip"] == file_env["pip"]
+    assert job_env["env_vars"] == file_env["env_vars"]
+    assert job_env["working_dir"].endswith(".zip")  # a remote archive: kubectl cannot upload a dir
+
+
+# --------------------------------------------------------------------------------------------------
+# Runtime environment for `ray job submit`
+
+
+def test_runtime_env_is_accepted_by_ray_job_submit_parsing():
+    # The same parsing `ray job submit --working-dir . --runtime-env FILE` does, then Ray's checks.
+    env = parse_runtime_env_args(runtime_env=str(RUNTIME_ENV), working_dir=".")
+    RuntimeEnv(**env)
+    assert env["working_dir"] == "."
+    for heavy in (".venv", ".git", "mlflow.db"):
+        assert any(pattern.strip("/") == heavy for pattern in env["excludes"]), heavy
+    assert env["env_vars"]["MLFLOW_TRACKING_URI"] == MLFLOW_URI
+
+
+def test_runtime_env_pip_list_equals_the_package_dependencies():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert _yaml(RUNTIME_ENV)["pip"] == dependencies
+
+
+# --------------------------------------------------------------------------------------------------
+# Versions, sizes and the study agree
+
+
+def _image_tags() -> dict[str, list[str]]:
+    docker = _yaml(LAUNCHER)["docker"]
+    launcher = [docker[k] for k in ("image", "head_image", "worker_image") if k in docker]
+    rc = _raycluster()["spec"]
+    templates = [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc["workerGroupSpecs"]]
+    kuberay = [c["image"] for t in templates for c in _containers(t)]
+    return {"launcher": launcher, "kuberay": kuberay}
+
+
+def test_ray_image_tags_match_installed_ray():
+    for where, images in _image_tags().items():
+        assert images, f"no image in the {where} config"
+        for image in images:
+            match = IMAGE_RE.match(image)
+            assert match, f"{where}: {image!r} is not a rayproject/ray[-ml]:<version>-... image"
+            assert match["version"] == ray.__version__, (where, image, ray.__version__)
+    assert _raycluster()["spec"]["rayVersion"] == ray.__version__
+    # GPU workers need a CUDA image.
+    assert re.search(r"-(gpu|cu\d+)", _yaml(LAUNCHER)["docker"].get("worker_image")
+                     or _yaml(LAUNCHER)["docker"]["image"])
+    (worker,) = _containers(_gpu_group(_raycluster())["template"])
+    assert re.search(r"-(gpu|cu\d+)", worker["image"])
+
+
+def test_both_clusters_span_8_to_64_gpus():
+    worker = _gpu_worker_type(_yaml(LAUNCHER))
+    group = _gpu_group(_raycluster())
+    (pod,) = _containers(group["template"])
+    launcher = (worker["resources"]["GPU"] * worker["min_workers"], worker["resources"]["GPU"] * worker["max_workers"])
+    kuberay = (int(pod["resources"]["limits"]["nvidia.com/gpu"]) * group["minReplicas"],
+               int(pod["resources"]["limits"]["nvidia.com/gpu"]) * group["maxReplicas"])
+    assert launcher == kuberay == (8, 64)
+
+
+def test_study_config_fits_the_clusters():
+    path = ROOT / STUDY
+    assert path.is_file(), f"{STUDY} (named by the RayJob and the README) does not exist"
+    cfg = load_config(path)
+    assert cfg.parallel.use_gpu, "the A100 study must run one GPU per Ray Train worker"
+    counts = list(cfg.sweep.worker_counts) if cfg.sweep.mode == "scaling" else [cfg.parallel.num_workers]
+    max_gpus = GPUS_PER_NODE * MAX_NODES
+    for n in counts:
+        assert GPUS_PER_NODE * MIN_NODES <= n <= max_gpus, f"{n} workers outside 8..{max_gpus} GPUs"
+    # One worker per GPU: a full node hosts 8 workers, so 8 x cpus_per_worker must fit its CPUs.
+    worker_cpus = _gpu_worker_type(_yaml(LAUNCHER))["resources"]["CPU"]
+    (pod,) = _containers(_gpu_group(_raycluster())["template"])
+    pod_cpus = int(pod["resources"]["limits"]["cpu"])
+    assert GPUS_PER_NODE * cfg.parallel.cpus_per_worker <= min(worker_cpus, pod_cpus)
+    if cfg.parallel.accelerator_type:
+        resources = _gpu_worker_type(_yaml(LAUNCHER))["resources"]
+        assert f"accelerator_type:{cfg.parallel.accelerator_type}" in resources
+
+
+# --------------------------------------------------------------------------------------------------
+# Documentation and hygiene
+
+
+def test_readme_has_the_commands_and_explains_every_placeholder():
+    readme = README.read_text()
+    for command in ("ray up cluster/aws-p4d.yaml", "ray dashboard cluster/aws-p4d.yaml",
+                    "--runtime-env cluster/runtime_env.yaml", f"--config {STUDY}",
+                    "ray down cluster/aws-p4d.yaml", "kubectl apply -f cluster/kuberay/raycluster.yaml",
+                    "kubectl create -f cluster/kuberay/rayjob.yaml", "kubectl port-forward", "mlflow"):
+        assert command in readme, command
+    placeholders = set()
+    for path in (LAUNCHER, RAYCLUSTER, RAYJOB, RUNTIME_ENV):
+        placeholders |= set(re.findall(r"[\w.-]*REPLACE_ME[\w-]*", path.read_text()))
+    for placeholder in placeholders:
+        assert placeholder in readme, f"{placeholder} is not explained in cluster/README.md"
+
+
+def test_cluster_files_hold_no_credentials():
+    for path in CLUSTER.rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert not re.search(r"AKIA[0-9A-Z]{16}", text), path
+            assert not re.search(r"aws_secret_access_key\s*[:=]\s*\S", text, re.I), path
+            assert "BEGIN RSA PRIVATE KEY" not in text, path
