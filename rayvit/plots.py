@@ -1,0 +1,151 @@
+"""Figures of sweep results, drawn from result rows (one flat dict per point) to PNG files.
+
+Every figure states its conditions (model, image size, batch per chip, precision, accelerator, library
+versions) in a caption built from the rows, so a PNG lifted out of MLflow still says what it measured.
+New figure kinds (e.g. a Tune search's accuracy-vs-throughput scatter) follow the same pattern:
+``figure, axes = new_figure(...)``, draw, ``save(figure, path, rows)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: drivers run headless, on clusters and under `ray job submit`
+import matplotlib.pyplot as plt  # noqa: E402
+
+Row = Mapping[str, Any]
+
+# Conditions a caption states, in order, with how each is written.
+_CAPTION = (
+    ("model", "{}"), ("image_size", "{} px"), ("batch_per_chip", "batch {}/chip"), ("precision", "{}"),
+    ("strategy", "{}"), ("world_size", "{} chips"), ("accelerator", "{}"), ("data", "data: {}"),
+    ("torch_version", "torch {}"), ("ray_version", "ray {}"), ("fairscale_version", "fairscale {}"),
+)
+# A stable colour per strategy across figures; DDP, the baseline, is always grey-black.
+_STRATEGY_COLOURS = {"ddp": "#333333", "fsdp": "#1f77b4", "fairscale_oss": "#ff7f0e",
+                     "fairscale_fsdp": "#2ca02c"}
+
+
+def _finite(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def conditions_caption(rows: Iterable[Row], omit: Sequence[str] = ()) -> str:
+    """The conditions shared by ``rows``; a condition that varies is listed with all its values."""
+    rows = list(rows)
+    parts = []
+    for key, fmt in _CAPTION:
+        if key in omit:
+            continue
+        values = sorted({str(r[key]) for r in rows if r.get(key) not in (None, "")}, key=_natural)
+        if not values:
+            continue
+        parts.append(fmt.format("/".join(values)))
+    return " · ".join(parts)
+
+
+def _natural(text: str) -> tuple:
+    return (0, float(text), "") if _is_number(text) else (1, 0.0, text)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def new_figure(nrows: int = 1, height: float = 4.0, width: float = 7.5, **kwargs):
+    figure, axes = plt.subplots(nrows, 1, figsize=(width, height * nrows), squeeze=False, **kwargs)
+    return figure, [a for a in axes[:, 0]]
+
+
+def save(figure, path: str | os.PathLike, rows: Iterable[Row], omit: Sequence[str] = (),
+         title: Optional[str] = None) -> Path:
+    """Write ``figure`` with a title and the conditions caption; close it; return the path."""
+    if title:
+        figure.suptitle(title, fontsize=12)
+    caption = conditions_caption(rows, omit)
+    figure.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True, color="#444444")
+    figure.tight_layout(rect=(0, 0.04, 1, 0.97 if title else 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional[str] = None) -> Path:
+    """Per-chip TFLOPS against chips (one line per strategy) over a speedup-vs-DDP panel."""
+    rows = [r for r in rows if _finite(r.get("tflops_per_chip")) is not None]
+    figure, (top, bottom) = new_figure(2, height=3.4, sharex=True)
+    chips = sorted({int(r["world_size"]) for r in rows})
+    for strategy in _series_order(rows):
+        points = sorted((int(r["world_size"]), r) for r in rows if r["series"] == strategy)
+        xs = [n for n, _ in points]
+        colour = _STRATEGY_COLOURS.get(strategy)
+        top.plot(xs, [r["tflops_per_chip"] for _, r in points], marker="o", label=strategy, color=colour)
+        speedups = [(n, _finite(r.get("speedup_vs_ddp"))) for n, r in points]
+        speedups = [(n, s) for n, s in speedups if s is not None]
+        if speedups:
+            bottom.plot([n for n, _ in speedups], [s for _, s in speedups], marker="o", label=strategy,
+                        color=colour)
+            for n, s in speedups:
+                if strategy != "ddp":
+                    bottom.annotate(f"{s:.2f}×", (n, s), textcoords="offset points", xytext=(4, 4),
+                                    fontsize=7, color=colour)
+    top.set_ylabel("TFLOPS per chip")
+    top.set_ylim(bottom=0)
+    top.legend(fontsize=8, loc="best")
+    top.margins(x=0.08)
+    top.grid(alpha=0.3)
+    bottom.axhline(1.0, color="#999999", linewidth=0.8, linestyle="--")
+    bottom.set_ylabel("speedup vs DDP\n(per-chip TFLOPS ratio)")
+    bottom.set_xlabel("chips (workers)")
+    bottom.grid(alpha=0.3)
+    if chips:
+        if len(chips) > 1 and chips[-1] / chips[0] >= 4:
+            bottom.set_xscale("log", base=2)
+        bottom.set_xticks(chips)
+        bottom.set_xticklabels([str(n) for n in chips])
+        bottom.minorticks_off()
+    return save(figure, path, rows, omit=("strategy", "world_size"),
+                title=title or "Per-chip throughput against chips")
+
+
+def ladder_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional[str] = None) -> Path:
+    """Throughput of each cumulative ladder rung relative to the baseline, absolute figure annotated."""
+    rows = [r for r in rows if _finite(r.get("tflops_per_chip")) is not None]
+    figure, (axes,) = new_figure(1, height=4.2, width=8.5)
+    labels = [("" if i == 0 else "+") + str(r["series"]).replace("_", " ") for i, r in enumerate(rows)]
+    relative = [_finite(r.get("relative_throughput")) or 0.0 for r in rows]
+    bars = axes.bar(range(len(rows)), relative, color=["#333333"] + ["#1f77b4"] * (len(rows) - 1))
+    for bar, row, rel in zip(bars, rows, relative):
+        axes.annotate(f"{rel:.2f}×\n{row['tflops_per_chip']:.3g} TFLOPS\n{row.get('precision', '')}",
+                      (bar.get_x() + bar.get_width() / 2, bar.get_height()), textcoords="offset points",
+                      xytext=(0, 3), ha="center", va="bottom", fontsize=7)
+    axes.axhline(1.0, color="#999999", linewidth=0.8, linestyle="--")
+    axes.set_xticks(range(len(rows)))
+    axes.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    axes.set_ylabel("per-chip TFLOPS relative to baseline")
+    axes.set_ylim(0, max(relative + [1.0]) * 1.3)
+    axes.grid(axis="y", alpha=0.3)
+    # Rungs change precision, strategy and image size by design: the caption lists every value seen.
+    return save(figure, path, rows, title=title or "Optimization ladder (cumulative)")
+
+
+def _series_order(rows: Iterable[Row]) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        if r["series"] not in seen:
+            seen.append(r["series"])
+    # DDP first so it is drawn beneath and listed first in the legend.
+    return sorted(seen, key=lambda s: (s != "ddp", seen.index(s)))

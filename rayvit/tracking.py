@@ -1,0 +1,386 @@
+"""MLflow records of sweeps: a parent run per sweep, a nested child run per point.
+
+Where runs go (first that applies):
+
+1. ``tracking.uri`` in the config (or ``--set tracking.uri=...``): an explicit choice for this config;
+2. ``$MLFLOW_TRACKING_URI``: the usual MLflow switch (a server, a cluster-wide store, a test's tmp store);
+3. ``sqlite:///~/.rayvit/mlflow.db`` (``$RAYVIT_HOME`` moves it), created on first use.
+
+Every local store is made absolute: Ray Train workers ``chdir`` into a session folder and
+``ray job submit`` runs the driver in a temporary copy of the working directory, so a relative
+``sqlite:///mlflow.db`` (MLflow's own default) would scatter results. MLflow's refused ``./mlruns``
+file store is never used. Experiments created here in a sqlite store keep their artifacts beside the
+database (``<db folder>/mlartifacts/<experiment>``), not under the current directory.
+
+Only the driver talks to MLflow; workers never do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from rayvit.results import RunResult
+
+# Tags that make runs filterable in the MLflow UI ("tags.rayvit.kind = 'point'").
+TAG_SWEEP = "rayvit.sweep"
+TAG_KIND = "rayvit.kind"          # "sweep" (parent), "point" (child), "curve" (one per strategy)
+TAG_POINT = "rayvit.point"        # a point's stable key within its sweep, e.g. "fsdp/w2"
+TAG_HASH = "rayvit.config_hash"   # the point's measured settings; a changed config is rerun, not reused
+TAG_ERROR = "rayvit.error"
+TAG_PARENT = "mlflow.parentRunId"
+RESULT_ARTIFACT = "result.json"
+ERROR_ARTIFACT = "error.txt"
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be reached or used."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Where runs go
+
+
+def rayvit_home() -> Path:
+    return Path(os.environ.get("RAYVIT_HOME") or Path.home() / ".rayvit").expanduser().resolve()
+
+
+def default_tracking_uri() -> str:
+    return "sqlite:///" + str(rayvit_home() / "mlflow.db")
+
+
+def resolve_tracking_uri(configured: Optional[str] = None) -> str:
+    """The tracking URI to use: the config's, else ``$MLFLOW_TRACKING_URI``, else the local default.
+
+    Local stores come back absolute; a bare file path is read as a sqlite database.
+    """
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):]).expanduser()
+        return "sqlite:///" + str(path.resolve())
+    if "://" not in uri and not uri.startswith(("file:", "databricks")):
+        path = Path(uri).expanduser().resolve()  # a bare path: a sqlite database file
+        if path.suffix in (".db", ".sqlite", ".sqlite3"):
+            return "sqlite:///" + str(path)
+        uri = "file:" + str(path)
+    if uri.startswith("file:"):
+        raise TrackingError(
+            f"tracking URI {uri!r} names a file store, which MLflow 3 refuses; use "
+            "sqlite:////absolute/folder/mlflow.db, "
+            "a server (http://host:5000), or leave it unset for the local default")
+    return uri
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def ui_command(uri: str) -> str:
+    """The command that browses ``uri``'s runs (or where to point a browser for a server)."""
+    if uri.startswith(("http://", "https://")):
+        return f"open {uri} in a browser"
+    return f"mlflow ui --backend-store-uri {uri}"
+
+
+def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise :class:`TrackingError` with the cause if ``uri`` cannot be used; create a local store."""
+    db = sqlite_path(uri)
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TrackingError(f"cannot create the MLflow store folder {db.parent}: {e}") from None
+        if not os.access(db.parent, os.W_OK):
+            raise TrackingError(f"the MLflow store folder {db.parent} is not writable")
+    elif uri.startswith(("http://", "https://")):
+        # MLflow's own client retries a dead server for minutes; ask its health endpoint once instead.
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                response.read()
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise TrackingError(f"MLflow tracking server {uri} refused access ({e.code}): "
+                                    "check MLFLOW_TRACKING_TOKEN / credentials") from None
+            # Some proxies serve the API but not /health: the API call below decides.
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise TrackingError(
+                f"cannot reach the MLflow tracking server at {uri} ({reason}); start it "
+                f"(mlflow server --host 127.0.0.1 --port 5000) or set MLFLOW_TRACKING_URI / "
+                "tracking.uri to a reachable store") from None
+    try:
+        _client(uri).search_experiments(max_results=1)
+    except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
+        raise TrackingError(f"MLflow store {uri} is not usable: {type(e).__name__}: {e}") from None
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+    return MlflowClient(tracking_uri=uri)
+
+
+def get_or_create_experiment(client, uri: str, name: str) -> str:
+    """The id of experiment ``name``, creating it (artifacts beside a sqlite store) or restoring it."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    artifact_location = None
+    db = sqlite_path(uri)
+    if db is not None:
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "experiment"
+        artifact_location = (db.parent / "mlartifacts" / safe).as_uri()
+    return client.create_experiment(name, artifact_location=artifact_location)
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment facts recorded with every run
+
+
+def git_commit() -> Optional[str]:
+    """The rayvit checkout's commit (suffixed ``-dirty`` with local changes), or None outside git."""
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None:
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=5)
+        if commit.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment_tags() -> dict[str, str]:
+    import platform
+
+    import mlflow
+
+    tags = {"mlflow_version": mlflow.__version__, "python_version": platform.python_version()}
+    commit = git_commit()
+    if commit:
+        tags["git_commit"] = commit
+        tags["mlflow.source.git.commit"] = commit.removesuffix("-dirty")
+    return tags
+
+
+# --------------------------------------------------------------------------------------------------
+# Small helpers over the client
+
+
+def _number(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _param_value(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text[:6000]  # MLflow's parameter value limit
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class SweepTracker:
+    """One sweep's MLflow records: its parent run, one child run per point, the curves.
+
+    Resuming is by name: a second tracker with the same experiment and sweep name adopts the
+    existing parent run and reports which points already finished (:meth:`completed`).
+    """
+
+    def __init__(self, uri: str, experiment: str, sweep: str):
+        self.uri = uri
+        self.experiment = experiment
+        self.sweep = sweep
+        self.client = _client(uri)
+        self.experiment_id = get_or_create_experiment(self.client, uri, experiment)
+        self.parent_id: Optional[str] = None
+        self.resumed = False
+        self._env = environment_tags()
+        self._logged: dict[tuple[str, str], set[tuple[int, float]]] = {}
+
+    # -- parent -------------------------------------------------------------------------------------
+
+    def start(self, params: Mapping[str, Any], tags: Mapping[str, Any], config_yaml: str) -> str:
+        """Create the sweep's parent run, or reopen the existing one of the same name."""
+        found = self._search(f"tags.`{TAG_SWEEP}` = {_quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'")
+        if found:
+            self.parent_id = found[0].info.run_id
+            self.resumed = True
+            self.client.update_run(self.parent_id, status="RUNNING")
+        else:
+            run = self.client.create_run(
+                self.experiment_id, run_name=self.sweep,
+                tags={TAG_SWEEP: self.sweep, TAG_KIND: "sweep", **self._env,
+                      **{k: str(v) for k, v in tags.items()}})
+            self.parent_id = run.info.run_id
+            # Params are write-once in MLflow: only a new parent gets them; a resumed sweep keeps its
+            # first values and records the config it was resumed with as an artifact instead.
+            self._log(self.parent_id, params=params)
+        self.client.log_text(self.parent_id, config_yaml, "config.yaml")
+        return self.parent_id
+
+    def end(self, status: str) -> None:
+        self.client.set_terminated(self.parent_id, status=status)
+
+    def set_parent_tags(self, tags: Mapping[str, Any]) -> None:
+        self._log(self.parent_id, tags=tags)
+
+    def log_parent_file(self, path: str | os.PathLike) -> None:
+        self.client.log_artifact(self.parent_id, str(path))
+
+    # -- points ---------------------------------------------------------------------------------------
+
+    def completed(self) -> dict[str, tuple[str, RunResult, str]]:
+        """``{point key: (run id, RunResult, config hash)}`` of this sweep's finished child runs."""
+        if self.parent_id is None:
+            return {}
+        runs = self._search(f"tags.`{TAG_PARENT}` = {_quote(self.parent_id)} and "
+                            f"tags.`{TAG_KIND}` = 'point' and attributes.status = 'FINISHED'",
+                            order_by=["attributes.start_time DESC"])
+        done: dict[str, tuple[str, RunResult, str]] = {}
+        for run in runs:
+            key = run.data.tags.get(TAG_POINT)
+            if key is None or key in done:
+                continue  # newest first: an older run of the same point is superseded
+            try:
+                result = self.load_result(run.info.run_id)
+            except Exception:  # noqa: BLE001 - a finished run without its result is rerun
+                continue
+            done[key] = (run.info.run_id, result, run.data.tags.get(TAG_HASH, ""))
+        return done
+
+    def load_result(self, run_id: str) -> RunResult:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = self.client.download_artifacts(run_id, RESULT_ARTIFACT, dst_path=tmp)
+            with open(path) as f:
+                return RunResult.from_dict(json.load(f))
+
+    def start_point(self, name: str, key: str, config_hash: str, params: Mapping[str, Any],
+                    tags: Mapping[str, Any]) -> str:
+        """Open a child run for one point, with its flattened config as params."""
+        run = self.client.create_run(
+            self.experiment_id, run_name=name,
+            tags={TAG_PARENT: self.parent_id, TAG_SWEEP: self.sweep, TAG_KIND: "point", TAG_POINT: key,
+                  TAG_HASH: config_hash, **self._env, **{k: str(v) for k, v in tags.items()}})
+        self._log(run.info.run_id, params=params)
+        return run.info.run_id
+
+    def finish_point(self, run_id: str, result: RunResult, step: int) -> None:
+        """Record a run's outcome: summary figures (at ``step`` = chips), per-step history, conditions."""
+        self._log(run_id, tags={k: v for k, v in result.conditions.items() if v is not None})
+        self.log_metrics(run_id, result.metrics, step)
+        history = [(key, entry[key], int(entry["step"])) for entry in result.history + result.evals
+                   for key in entry if key != "step"]
+        self._log_history(run_id, history)
+        if result.restarts:
+            self.log_metrics(run_id, {"restarts": result.restarts}, step)
+        self.client.log_text(run_id, json.dumps(result.to_dict(), indent=1, default=str), RESULT_ARTIFACT)
+        self.client.set_terminated(run_id, status="FINISHED")
+
+    def fail_point(self, run_id: str, error: str, status: str = "FAILED") -> None:
+        """Mark a child run failed (or KILLED), keeping the error in a tag and in full as an artifact."""
+        self._log(run_id, tags={TAG_ERROR: error[-7900:] or "(no message)"})
+        self.client.log_text(run_id, error, ERROR_ARTIFACT)
+        self.client.set_terminated(run_id, status=status)
+
+    # -- metrics --------------------------------------------------------------------------------------
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int) -> int:
+        """Log the finite numbers in ``metrics`` at ``step``, skipping values already logged there.
+
+        A resumed sweep recomputes its curves; without the check each rerun would add duplicate points.
+        """
+        from mlflow.entities import Metric
+
+        now = _now_ms()
+        batch = []
+        for key, value in metrics.items():
+            value = _number(value)
+            if value is None:
+                continue
+            seen = self._history(run_id, key)
+            if (step, value) in seen:
+                continue
+            seen.add((step, value))
+            batch.append(Metric(key, value, now, step))
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
+        return len(batch)
+
+    def _history(self, run_id: str, key: str) -> set[tuple[int, float]]:
+        if (run_id, key) not in self._logged:
+            self._logged[(run_id, key)] = {(m.step, m.value)
+                                           for m in self.client.get_metric_history(run_id, key)}
+        return self._logged[(run_id, key)]
+
+    def _log_history(self, run_id: str, entries: Iterable[tuple[str, Any, int]]) -> None:
+        from mlflow.entities import Metric
+
+        now = _now_ms()
+        batch = [Metric(key, v, now, step) for key, value, step in entries
+                 if (v := _number(value)) is not None]
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
+
+    def log_curve_run(self, series: str, curves: Mapping[str, Mapping[int, Any]],
+                      tags: Mapping[str, Any]) -> str:
+        """One child run per strategy holding its curves (``key -> {chips: value}``), replacing older ones.
+
+        Compared side by side in the experiment's chart view (filter ``tags.rayvit.kind = 'curve'``),
+        the same key from several curve runs is drawn on one chart: DDP and FSDP against chips.
+        """
+        for old in self._search(f"tags.`{TAG_PARENT}` = {_quote(self.parent_id)} and "
+                                f"tags.`{TAG_KIND}` = 'curve' and tags.series = {_quote(series)}"):
+            self.client.delete_run(old.info.run_id)
+        run = self.client.create_run(
+            self.experiment_id, run_name=f"{self.sweep} · {series}",
+            tags={TAG_PARENT: self.parent_id, TAG_SWEEP: self.sweep, TAG_KIND: "curve", "series": series,
+                  **self._env, **{k: str(v) for k, v in tags.items()}})
+        entries = [(key, value, int(chips)) for key, points in curves.items()
+                   for chips, value in sorted(points.items())]
+        self._log_history(run.info.run_id, entries)
+        self.client.set_terminated(run.info.run_id, status="FINISHED")
+        return run.info.run_id
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _log(self, run_id: str, params: Mapping[str, Any] = {}, tags: Mapping[str, Any] = {}) -> None:
+        from mlflow.entities import Param, RunTag
+
+        self.client.log_batch(
+            run_id,
+            params=[Param(k, _param_value(v)) for k, v in params.items()],
+            tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()])
+
+    def _search(self, filter_string: str, order_by: Optional[list[str]] = None) -> list:
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs([self.experiment_id], filter_string, order_by=order_by,
+                                           max_results=1000, page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs

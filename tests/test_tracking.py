@@ -1,0 +1,203 @@
+"""MLflow records and figures of sweeps, on real sqlite stores (no Ray, no training: results are given)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow import MlflowClient
+
+from rayvit import plots, tracking
+from rayvit.config import load_config
+from rayvit.results import RunResult
+from rayvit.sweep import Outcome, format_table, plan, rows_of, write_parquet
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_result(strategy: str, world_size: int, tflops: float, images_per_chip: float) -> RunResult:
+    """A RunResult as the trainer returns it, with chosen figures (inputs for the code under test)."""
+    metrics = {"images_per_sec": images_per_chip * world_size, "images_per_sec_per_chip": images_per_chip,
+               "tflops_per_chip": tflops, "mfu": tflops / 2.0, "step_time_p50_s": 0.1, "step_time_p90_s": 0.12,
+               "model_state_bytes_per_rank": 4e6 / (world_size if strategy != "ddp" else 1),
+               "peak_memory_bytes_per_rank": 5e7, "final_loss": 1.5, "val_accuracy": None,
+               "epoch_time_imagenet_h": 3.0, "train_flops_per_image": 1e9, "peak_tflops": 2.0,
+               "timed_steps": 10, "wall_time_s": 4.0}
+    conditions = {"model": "custom", "image_size": 32, "batch_per_chip": 16, "precision": "fp32",
+                  "strategy": strategy, "world_size": world_size, "accelerator": "cpu",
+                  "torch_version": "2.13.0", "ray_version": "2.60.0", "fairscale_version": "0.4.13",
+                  "rayvit_version": "0.1.0", "data": "synthetic"}
+    history = [{"step": s, "loss": 2.0 - 0.1 * s, "lr": 1e-3, "step_time_s": 0.1} for s in range(1, 6)]
+    return RunResult(metrics, conditions, history, config={"parallel": {"strategy": strategy}})
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    uri = "sqlite:///" + str(tmp_path / "store" / "mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+# -- where runs go ---------------------------------------------------------------------------------
+
+def test_uri_precedence_and_absolute_local_stores(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAYVIT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.resolve_tracking_uri() == f"sqlite:///{tmp_path}/home/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking.resolve_tracking_uri() == "http://127.0.0.1:5999"
+    # The config's explicit choice wins over the environment; relative paths become absolute.
+    assert tracking.resolve_tracking_uri("sqlite:///rel/m.db") == f"sqlite:///{tmp_path}/rel/m.db"
+    assert tracking.resolve_tracking_uri("runs/m.db") == f"sqlite:///{tmp_path}/runs/m.db"
+    with pytest.raises(tracking.TrackingError, match="file store"):
+        tracking.resolve_tracking_uri("./mlruns")
+    with pytest.raises(tracking.TrackingError, match="file store"):
+        tracking.resolve_tracking_uri("file:///tmp/mlruns")
+
+
+def test_unreachable_server_is_reported_quickly():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(tracking.TrackingError, match=f"cannot reach .*127.0.0.1:{port}"):
+        tracking.check_reachable(f"http://127.0.0.1:{port}")
+    assert time.monotonic() - start < 10
+
+
+def test_unwritable_store_folder_is_reported(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(tracking.TrackingError, match="cannot create"):
+        tracking.check_reachable(f"sqlite:///{blocker}/sub/mlflow.db")
+
+
+# -- parent and child runs -------------------------------------------------------------------------
+
+def test_sweep_records_resume_and_failures(store, tmp_path, monkeypatch):
+    tracking.check_reachable(store)
+    # Artifacts must land beside the store, not in whatever directory the driver happens to be in.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    t = tracking.SweepTracker(store, "exp-a", "sweep-1")
+    parent = t.start(params={"model.name": "custom", "sweep.worker_counts": [1, 2]}, tags={"mode": "scaling"},
+                     config_yaml="model:\n  name: custom\n")
+    assert not t.resumed
+    ok = t.start_point("ddp/w1", "ddp/w1", "hash-a", {"parallel.strategy": "ddp"}, {"strategy": "ddp"})
+    t.finish_point(ok, make_result("ddp", 1, 0.5, 100.0), step=1)
+    bad = t.start_point("fsdp/w1", "fsdp/w1", "hash-b", {"parallel.strategy": "fsdp"}, {"strategy": "fsdp"})
+    t.fail_point(bad, "Traceback ...\nRuntimeError: gloo timed out")
+    t.end("FAILED")
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("exp-a")
+    assert Path(exp.artifact_location.removeprefix("file://")).is_relative_to(tmp_path / "store")
+    assert not list(elsewhere.iterdir())
+    assert client.get_run(parent).info.status == "FAILED"
+    child = client.get_run(ok)
+    assert child.data.tags["mlflow.parentRunId"] == parent
+    assert child.data.tags["strategy"] == "ddp" and child.data.tags["torch_version"] == "2.13.0"
+    assert child.data.params["parallel.strategy"] == "ddp"
+    assert child.data.metrics["tflops_per_chip"] == 0.5
+    assert [m.step for m in client.get_metric_history(ok, "tflops_per_chip")] == [1]
+    assert [m.step for m in client.get_metric_history(ok, "loss")] == [1, 2, 3, 4, 5]
+    failed = client.get_run(bad)
+    assert failed.info.status == "FAILED"
+    assert "gloo timed out" in failed.data.tags["rayvit.error"]
+    assert "error.txt" in [f.path for f in client.list_artifacts(bad)]
+
+    # A second tracker with the same names adopts the parent and restores finished points only.
+    again = tracking.SweepTracker(store, "exp-a", "sweep-1")
+    assert again.start(params={"model.name": "custom"}, tags={}, config_yaml="x: 1\n") == parent
+    assert again.resumed
+    done = again.completed()
+    assert set(done) == {"ddp/w1"}
+    run_id, result, config_hash = done["ddp/w1"]
+    assert (run_id, config_hash) == (ok, "hash-a")
+    assert result.metrics == make_result("ddp", 1, 0.5, 100.0).metrics
+    assert result.history[-1]["loss"] == pytest.approx(1.5)
+    # Another sweep name in the same experiment is a different sweep.
+    other = tracking.SweepTracker(store, "exp-a", "sweep-2")
+    assert other.start(params={}, tags={}, config_yaml="") != parent and other.completed() == {}
+
+
+def test_curves_are_logged_once_per_chip_count(store):
+    t = tracking.SweepTracker(store, "exp-b", "s")
+    parent = t.start(params={}, tags={}, config_yaml="")
+    assert t.log_metrics(parent, {"tflops_per_chip/ddp": 0.5, "speedup_vs_ddp/ddp": 1.0, "skip": None}, 1) == 2
+    assert t.log_metrics(parent, {"tflops_per_chip/ddp": 0.5}, 1) == 0  # same value at same step: skipped
+    assert t.log_metrics(parent, {"tflops_per_chip/ddp": 0.4}, 2) == 1
+    # A fresh tracker (a resumed process) reads what is already there instead of duplicating it.
+    t2 = tracking.SweepTracker(store, "exp-b", "s")
+    t2.start(params={}, tags={}, config_yaml="")
+    assert t2.log_metrics(parent, {"tflops_per_chip/ddp": 0.4}, 2) == 0
+    history = MlflowClient(store).get_metric_history(parent, "tflops_per_chip/ddp")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.4)]
+
+    # Curve runs: one per strategy, replaced (not duplicated) when the sweep logs them again.
+    first = t.log_curve_run("fsdp", {"tflops_per_chip": {1: 0.6, 2: 0.55}}, {"model": "custom"})
+    second = t.log_curve_run("fsdp", {"tflops_per_chip": {1: 0.6, 2: 0.55, 4: 0.5}}, {"model": "custom"})
+    client = MlflowClient(store)
+    live = client.search_runs([t.experiment_id], "tags.`rayvit.kind` = 'curve'")
+    assert [r.info.run_id for r in live] == [second] and first != second
+    assert [(m.step, m.value) for m in client.get_metric_history(second, "tflops_per_chip")] == [
+        (1, 0.6), (2, 0.55), (4, 0.5)]
+
+
+# -- result rows, parquet and figures ----------------------------------------------------------------
+
+def _outcomes():
+    cfg = load_config(None, ["sweep.strategies=ddp,fsdp", "sweep.worker_counts=1,2"])
+    figures = {"ddp/w1": (0.50, 100.0), "fsdp/w1": (0.60, 120.0), "ddp/w2": (0.40, 80.0), "fsdp/w2": (0.55, 110.0)}
+    out = []
+    for p in plan(cfg):
+        tflops, ips = figures[p.key]
+        out.append(Outcome(p, "done", make_result(p.series, p.world_size, tflops, ips), run_id="r", seconds=3))
+    return out
+
+
+def test_rows_parquet_and_figures(tmp_path):
+    outcomes = _outcomes()
+    failed_point = outcomes[-1].point
+    outcomes[-1] = Outcome(failed_point, "failed", error="RuntimeError: boom", run_id="x")
+    rows = rows_of(outcomes, "scaling")
+    by = {r["point"]: r for r in rows}
+    assert by["fsdp/w1"]["speedup_vs_ddp"] == pytest.approx(1.2)
+    assert by["ddp/w2"]["scaling_efficiency"] == pytest.approx(0.8)
+    assert by["ddp/w2"]["speedup_vs_ddp"] == pytest.approx(1.0)
+    assert by["fsdp/w2"]["tflops_per_chip"] is None and by["fsdp/w2"]["speedup_vs_ddp"] is None
+
+    table = pq.read_table(write_parquet(rows, tmp_path / "results.parquet"))
+    assert table.num_rows == 4
+    for column in ("point", "strategy", "world_size", "status", "tflops_per_chip", "speedup_vs_ddp",
+                   "scaling_efficiency", "model", "precision", "batch_per_chip", "torch_version", "error"):
+        assert column in table.column_names
+    assert table.column("status").to_pylist() == ["done", "done", "done", "failed"]
+
+    text = format_table(rows, "scaling")
+    assert "fsdp/w1" in text and "1.20x" in text and "failed" in text
+
+    ok = [r for r in rows if r["status"] == "done"]
+    png = plots.scaling_figure(ok, tmp_path / "scaling.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    caption = plots.conditions_caption(ok, omit=("strategy", "world_size"))
+    assert "custom" in caption and "32 px" in caption and "batch 16/chip" in caption and "torch 2.13.0" in caption
+
+
+def test_ladder_rows_and_figure(tmp_path):
+    cfg = load_config(None, ["sweep.mode=ladder", "sweep.rungs=baseline,mixed_precision,fsdp",
+                             "parallel.num_workers=2"])
+    points = plan(cfg)
+    outcomes = [Outcome(p, "done", make_result(p.cfg.parallel.strategy, 2, t, 10 * t), run_id="r")
+                for p, t in zip(points, (0.5, 0.8, 0.9))]
+    rows = rows_of(outcomes, "ladder")
+    assert [round(r["relative_throughput"], 2) for r in rows] == [1.0, 1.6, 1.8]
+    assert "1.80x" in format_table(rows, "ladder")
+    png = plots.ladder_figure(rows, tmp_path / "ladder.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
