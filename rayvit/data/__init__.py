@@ -14,9 +14,9 @@ import torch
 
 from rayvit.config import Config, ConfigError
 from rayvit.data import batching, digits, parquet, synthetic
-from rayvit.data.parquet import ray_datasets
+from rayvit.data.parquet import ray_datasets, with_absolute_paths
 
-__all__ = ["Data", "build_data", "ray_datasets"]
+__all__ = ["Data", "build_data", "ray_datasets", "with_absolute_paths"]
 
 
 @dataclass
@@ -37,7 +37,8 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
 
     With ``dataset_shards`` (``{"train": DataIterator, "val": DataIterator or None}`` from
     ``ray.train.get_dataset_shard`` over :func:`ray_datasets`), batches come from the Ray shards and the
-    files are read only for their sizes and class count.
+    files are read only for their sizes and class count, so ``cfg.data.path`` must be absolute there
+    (Train workers change directory; see :func:`with_absolute_paths`).
     """
     device = torch.device(device)
     d, t = cfg.data, cfg.train

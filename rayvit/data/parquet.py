@@ -166,6 +166,13 @@ def load_split(cfg: Config, device: torch.device):
 # Through Ray Data
 
 
+def with_absolute_paths(cfg: Config) -> Config:
+    """A copy of ``cfg`` whose data paths are absolute (resolve on the driver before shipping to workers)."""
+    overrides = {f"data.{key}": os.path.abspath(getattr(cfg.data, key))
+                 for key in ("path", "val_path") if getattr(cfg.data, key)}
+    return cfg.replace(overrides) if overrides else cfg
+
+
 def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column: str,
                   image_size: int) -> dict[str, np.ndarray]:
     """Ray Data map_batches body: encoded bytes -> fixed-shape uint8 (N, 3, S, S) + int64 labels."""

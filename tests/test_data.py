@@ -1,0 +1,265 @@
+"""The data package on real data: synthetic, scikit-learn digits, parquet (pyarrow and Ray Data)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rayvit.config import ConfigError, load_config
+from rayvit.data import Data, build_data, ray_datasets, with_absolute_paths
+from rayvit.data.digits import export_image_folder, load_digits_arrays
+from rayvit.data.parquet import class_names, load_split
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def config(*overrides: str):
+    return load_config(overrides=["train.batch_size=16", "model.image_size=16", *overrides])
+
+
+def sample_key(image: torch.Tensor) -> bytes:
+    """Identify a digit by its pixels (every load_digits image is distinct)."""
+    return image[0].cpu().numpy().tobytes()
+
+
+def take(data: Data, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [next(data.train) for _ in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(tmp_path_factory) -> Path:
+    """All 1797 digits exported as PNGs and converted with the to_parquet CLI (4 shards)."""
+    root = tmp_path_factory.mktemp("digits")
+    export_image_folder(root / "folder")
+    proc = subprocess.run([sys.executable, "-m", "rayvit.data.to_parquet", str(root / "folder"),
+                           str(root / "parquet"), "--rows-per-shard", "500"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 1797 images of 10 classes to 4 shard(s)" in proc.stdout
+    return root / "parquet"
+
+
+# --------------------------------------------------------------------------------------------------
+# synthetic
+
+
+def test_synthetic_batches_are_fixed_on_device_and_cycled():
+    cfg = config("data.synthetic_batches=3", "model.num_classes=7")
+    data = build_data(cfg, CPU, world_size=2)
+    batches = take(data, 7)
+    for images, labels in batches:
+        assert images.shape == (16, 3, 16, 16) and images.dtype == torch.float32
+        assert labels.shape == (16,) and labels.dtype == torch.int64
+        assert images.device == CPU and labels.device == CPU
+        assert 0 <= labels.min() and labels.max() < 7
+    # Three distinct batches, then the very same tensors again: nothing is generated per step.
+    assert not torch.equal(batches[0][0], batches[1][0])
+    assert batches[3][0] is batches[0][0] and batches[6][1] is batches[0][1]
+    assert abs(batches[0][0].mean().item()) < 0.05 and abs(batches[0][0].std().item() - 1) < 0.05
+    assert data.val_batches is None
+    assert (data.num_train, data.num_val, data.num_classes) == (3 * 16 * 2, 0, 7)
+    # Seeded: rebuilding gives the same data.
+    assert torch.equal(next(build_data(cfg, CPU, world_size=2).train)[0], batches[0][0])
+
+
+# --------------------------------------------------------------------------------------------------
+# digits
+
+
+def test_digits_batches_are_upsampled_normalised_rgb():
+    data = build_data(config("data.name=digits", "model.image_size=24"), CPU)
+    assert (data.num_train, data.num_val, data.num_classes) == (1437, 360, 10)
+    images, labels = next(data.train)
+    assert images.shape == (16, 3, 24, 24) and images.dtype == torch.float32 and images.device == CPU
+    assert labels.dtype == torch.int64 and labels.shape == (16,)
+    assert torch.equal(images[:, 0], images[:, 1]) and torch.equal(images[:, 0], images[:, 2])
+
+    # At native 8x8 one epoch of train pixels has mean 0 and std 1 (stats come from the train split).
+    data = build_data(config("data.name=digits", "model.image_size=8"), CPU)
+    pixels = torch.cat([x for x, _ in take(data, 1437 // 16)])
+    assert abs(pixels.mean().item()) < 0.02 and abs(pixels.std().item() - 1) < 0.02
+
+
+def test_digits_ranks_share_train_disjointly_and_reshuffle_every_epoch():
+    world, batch, n_train = 3, 16, 1437
+    steps = (n_train // world) // batch           # batches per rank per epoch
+    cfg = config("data.name=digits", "model.image_size=8")
+    all_train = {sample_key(x) for x, _ in
+                 build_data(config("data.name=digits", "model.image_size=8", "train.batch_size=1"),
+                            CPU).val_batches() or []}
+    epochs = []  # epochs[e][rank] = ordered sample keys
+    ranks = [build_data(cfg, CPU, rank=r, world_size=world) for r in range(world)]
+    for _ in range(2):
+        epochs.append([[sample_key(x) for batch_ in take(d, steps) for x in batch_[0]] for d in ranks])
+    for epoch in epochs:
+        seen = [k for share in epoch for k in share]
+        assert len(seen) == len(set(seen)) == world * steps * batch   # disjoint, equal shares
+        assert not set(seen) & all_train                              # never a validation sample
+    for r in range(world):
+        assert epochs[0][r] != epochs[1][r]                           # new order
+        assert set(epochs[0][r]) != set(epochs[1][r])                 # new share
+    # Same permutation on every rank: rebuilding rank 1 repeats its first epoch exactly.
+    again = build_data(cfg, CPU, rank=1, world_size=world)
+    assert [sample_key(x) for b in take(again, steps) for x in b[0]] == epochs[0][1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_validation_covers_every_sample_once_with_equal_batch_counts(world):
+    cfg = config("data.name=digits", "model.image_size=8", "train.batch_size=32")
+    shares = [list(build_data(cfg, CPU, rank=r, world_size=world).val_batches()) for r in range(world)]
+    assert len({len(s) for s in shares}) == 1          # same number of forwards on every rank
+    keys = [sample_key(x) for s in shares for images, _ in s for x in images]
+    labels = torch.cat([y for s in shares for _, y in s])
+    assert len(keys) == len(set(keys)) == 360 == len(labels)
+    assert all(len(y) <= 32 for s in shares for _, y in s)
+
+
+def test_too_many_classes_is_a_config_error(digits_parquet):
+    with pytest.raises(ConfigError, match=r"10 classes but model.num_classes=4; set model.num_classes=10"):
+        build_data(config("data.name=digits", "model.num_classes=4"), CPU)
+    with pytest.raises(ConfigError, match="set model.num_classes=10"):
+        build_data(config("data.name=parquet", f"data.path={digits_parquet}", "model.num_classes=9"), CPU)
+
+
+def test_too_little_data_for_one_batch_is_a_config_error():
+    with pytest.raises(ConfigError, match="train.batch_size=1024"):
+        build_data(config("data.name=digits", "train.batch_size=1024"), CPU, world_size=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# parquet without Ray
+
+
+def test_to_parquet_round_trip_keeps_images_and_labels(digits_parquet):
+    assert len(list(digits_parquet.glob("part-*.parquet"))) == 4
+    assert class_names(str(digits_parquet)) == [str(i) for i in range(10)]
+    images, labels = load_digits_arrays()
+    label_of = {img.tobytes(): int(y) for img, y in zip(images, labels)}
+
+    # Read back through the pyarrow + PIL path at native size: pixels invert exactly to 0..16.
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8")
+    (train_x, train_y), (val_x, val_y), num_classes = load_split(cfg, CPU)
+    assert num_classes == 10 and len(train_y) == 1437 and len(val_y) == 360
+    x = torch.cat([train_x, val_x])
+    assert x.dtype == torch.uint8 and x.shape == (1797, 3, 8, 8)
+    assert torch.equal(x[:, 0], x[:, 1])
+    levels = np.rint(x[:, 0].numpy().astype(np.float32) * 16 / 255).astype(np.uint8)
+    assert [label_of[img.tobytes()] for img in levels] == torch.cat([train_y, val_y]).tolist()
+
+
+def test_parquet_batches_are_normalised_and_resized(digits_parquet, tmp_path):
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=32")
+    data = build_data(cfg, CPU, rank=1, world_size=2)
+    assert (data.num_train, data.num_val, data.num_classes) == (1437, 360, 10)
+    images, labels = next(data.train)
+    assert images.shape == (16, 3, 32, 32) and images.dtype == torch.float32
+    assert labels.dtype == torch.int64 and labels.max() < 10
+    # Background pixels (0) are (0 - mean) / std per channel (ImageNet statistics).
+    expected = torch.tensor([-0.485 / 0.229, -0.456 / 0.224, -0.406 / 0.225])
+    assert torch.allclose(images.amin(dim=(0, 2, 3)), expected, atol=1e-5)
+
+    # Relative paths are resolved for Ray workers, which run in another directory.
+    rel = config("data.name=parquet", f"data.path={os.path.relpath(digits_parquet)}")
+    assert with_absolute_paths(rel).data.path == str(digits_parquet)
+
+    # An explicit validation file: no hold-out is cut from the train data.
+    table = pq.read_table(digits_parquet)
+    pq.write_table(table.slice(0, 1500), tmp_path / "train.parquet")
+    pq.write_table(table.slice(1500), tmp_path / "val.parquet")
+    data = build_data(config("data.name=parquet", f"data.path={tmp_path / 'train.parquet'}",
+                             f"data.val_path={tmp_path / 'val.parquet'}"), CPU)
+    assert (data.num_train, data.num_val) == (1500, 297)
+    assert sum(len(y) for _, y in data.val_batches()) == 297
+
+
+def test_to_parquet_cli_errors_and_help(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rayvit.data.to_parquet", *args],
+                              capture_output=True, text=True, cwd=REPO)
+
+    assert "one subfolder per class" in cli("--help").stdout
+    missing = cli(str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert missing.returncode == 2 and "is not a folder" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    empty = cli(str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert empty.returncode == 2 and "no class subfolders" in empty.stderr
+    (tmp_path / "empty" / "cat").mkdir()
+    no_images = cli(str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert no_images.returncode == 2 and "no image files" in no_images.stderr
+
+
+def test_importing_rayvit_data_does_not_import_ray():
+    code = "import sys, rayvit.data; assert 'ray' not in sys.modules, 'ray was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# --------------------------------------------------------------------------------------------------
+# parquet through Ray Data
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    # Ray's worker processes must import rayvit to run the decode function.
+    ray.init(num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [
+                 str(REPO), os.environ.get("PYTHONPATH")]))}})
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_data_path_feeds_build_data_from_shards(local_ray, digits_parquet):
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16")
+    datasets = ray_datasets(cfg)
+    assert set(datasets) == {"train", "val"}
+    rows = datasets["val"].take_batch(5, batch_format="numpy")
+    assert rows["image"].shape == (5, 3, 16, 16) and rows["image"].dtype == np.uint8
+
+    data = build_data(cfg, CPU, dataset_shards={"train": datasets["train"].iterator(),
+                                                "val": datasets["val"].iterator()})
+    assert (data.num_train, data.num_val, data.num_classes) == (1437, 360, 10)
+    steps = 1437 // 16
+    epochs = [take(data, steps) for _ in range(2)]   # the iterator rolls into a second epoch
+    data.train.close()
+    for images, labels in epochs[0] + epochs[1]:
+        assert images.shape == (16, 3, 16, 16) and images.dtype == torch.float32
+        assert labels.shape == (16,) and labels.dtype == torch.int64 and labels.max() < 10
+    keys = [[sample_key(x) for b in epoch for x in b[0]] for epoch in epochs]
+    assert len(set(keys[0])) == steps * 16 and keys[0] != keys[1]   # one pass, then a new order
+    val_keys = [sample_key(x) for images, _ in data.val_batches() for x in images]
+    assert len(val_keys) == len(set(val_keys)) == 360
+    assert not set(val_keys) & set(keys[0])
+    # Same normalisation as the pyarrow path: background pixels map to the same values.
+    local = build_data(cfg, CPU)
+    assert torch.allclose(epochs[0][0][0].amin(dim=(0, 2, 3)), next(local.train)[0].amin(dim=(0, 2, 3)))
+
+
+def test_ray_data_split_shards_are_disjoint_across_ranks(local_ray, digits_parquet):
+    """Two ranks reading a streaming split (as Ray Train hands them out) see disjoint train rows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8")
+    shards = ray_datasets(cfg)["train"].streaming_split(2, equal=True)
+    steps = (1437 // 2) // 16
+
+    def one_epoch(rank: int) -> list[bytes]:
+        data = build_data(cfg, CPU, rank=rank, world_size=2, dataset_shards={"train": shards[rank]})
+        assert data.val_batches is None
+        keys = [sample_key(x) for images, _ in take(data, steps) for x in images]
+        data.train.close()
+        return keys
+
+    # Split iterators advance together, so both ranks must read at once.
+    with ThreadPoolExecutor(2) as pool:
+        rank0, rank1 = pool.map(one_epoch, [0, 1])
+    assert len(set(rank0)) == len(set(rank1)) == steps * 16
+    assert not set(rank0) & set(rank1)
