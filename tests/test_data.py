@@ -224,8 +224,10 @@ def test_ray_data_path_feeds_build_data_from_shards(local_ray, digits_parquet):
     rows = datasets["val"].take_batch(5, batch_format="numpy")
     assert rows["image"].shape == (5, 3, 16, 16) and rows["image"].dtype == np.uint8
 
-    data = build_data(cfg, CPU, dataset_shards={"train": datasets["train"].iterator(),
-                                                "val": datasets["val"].iterator()})
+    # A worker on another node cannot reach the files: sizes come with the datasets, rows from the shards.
+    elsewhere = cfg.replace({"data.path": "/not/on/this/node"})
+    data = build_data(elsewhere, CPU, dataset_shards={"train": datasets["train"].iterator(),
+                                                      "val": datasets["val"].iterator()})
     assert (data.num_train, data.num_val, data.num_classes) == (1437, 360, 10)
     steps = 1437 // 16
     epochs = [take(data, steps) for _ in range(2)]   # the iterator rolls into a second epoch

@@ -36,9 +36,9 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
     """Build this rank's data for ``cfg.data``.
 
     With ``dataset_shards`` (``{"train": DataIterator, "val": DataIterator or None}`` from
-    ``ray.train.get_dataset_shard`` over :func:`ray_datasets`), batches come from the Ray shards and the
-    files are read only for their sizes and class count, so ``cfg.data.path`` must be absolute there
-    (Train workers change directory; see :func:`with_absolute_paths`).
+    ``ray.train.get_dataset_shard`` over :func:`ray_datasets`), batches come from the Ray shards, and
+    sizes and class count from the datasets' DataContext (the files are read only for datasets built
+    elsewhere; then ``cfg.data.path`` must be absolute, see :func:`with_absolute_paths`).
     """
     device = torch.device(device)
     d, t = cfg.data, cfg.train
@@ -46,7 +46,7 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
         if d.name != "parquet":
             raise ConfigError(f"dataset_shards were given but data.name={d.name}; Ray Data input needs "
                               "data.name=parquet")
-        info = parquet.parquet_info(cfg)
+        info = parquet.shard_info(dataset_shards["train"], cfg)
         val_shard = dataset_shards.get("val")
         return Data(
             train=parquet.shard_train_batches(dataset_shards["train"], cfg, device, rank, world_size),

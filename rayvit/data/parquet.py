@@ -7,6 +7,7 @@ runs). Ray is imported only inside the functions that need it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -75,6 +76,9 @@ def _labels(table: pa.Table, column: str, key: str) -> np.ndarray:
     return labels
 
 
+INFO_KEY = "rayvit.data.info"  # DataContext config key carrying ParquetInfo to Ray workers
+
+
 @dataclass
 class ParquetInfo:
     """Sizes and class count of a parquet dataset, from footers and the label column only."""
@@ -82,6 +86,12 @@ class ParquetInfo:
     num_train: int
     num_val: int
     num_classes: int
+
+
+def shard_info(shard: Any, cfg: Config) -> ParquetInfo:
+    """Sizes and class count of the dataset behind a Ray shard (from ray_datasets, else from the files)."""
+    stored = shard.get_context().get_config(INFO_KEY)
+    return ParquetInfo(**stored) if stored else parquet_info(cfg)
 
 
 def parquet_info(cfg: Config) -> ParquetInfo:
@@ -192,7 +202,7 @@ def ray_datasets(cfg: Config) -> dict[str, "ray.data.Dataset"]:
     from ray.data import FileShuffleConfig
 
     d = cfg.data
-    parquet_info(cfg)  # fails fast on missing files, columns or too many classes
+    info = parquet_info(cfg)  # fails fast on missing files, columns or too many classes
     decode = dict(fn_kwargs=dict(image_column=d.image_column, label_column=d.label_column,
                                  image_size=cfg.model.image_size), batch_format="numpy")
 
@@ -209,8 +219,13 @@ def ray_datasets(cfg: Config) -> dict[str, "ray.data.Dataset"]:
         # that have no validation split of their own).
         train, val = read(d.path, "data.path").train_test_split(
             test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
-    return {"train": train.map_batches(_decode_batch, **decode),
-            "val": val.map_batches(_decode_batch, **decode)}
+    datasets = {"train": train.map_batches(_decode_batch, **decode),
+                "val": val.map_batches(_decode_batch, **decode)}
+    for ds in datasets.values():
+        # Workers learn sizes and class count from the shard's DataContext, so they never need to reach
+        # the files themselves (which may sit on another node).
+        ds.context.set_config(INFO_KEY, dataclasses.asdict(info))
+    return datasets
 
 
 def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0,
