@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from rayvit.config import ConfigError, OptimConfig
 
@@ -37,7 +38,7 @@ def _impl_flags(impl: str, name: str, params: list[torch.Tensor]) -> dict:
     if impl == "foreach":
         return {"foreach": True}
     device_types = {p.device.type for p in params}
-    supported = set(torch.optim.optimizer._get_fused_kernels_supported_devices())
+    supported = set(_get_fused_kernels_supported_devices())
     dtensor = any(type(p.data).__name__ == "DTensor" for p in params)
     if not device_types <= supported or dtensor:
         where = "sharded (DTensor) parameters" if dtensor else f"device {sorted(device_types)}"
