@@ -223,12 +223,18 @@ class SweepTracker:
 
     # -- parent -------------------------------------------------------------------------------------
 
-    def start(self, params: Mapping[str, Any], tags: Mapping[str, Any], config_yaml: str) -> str:
-        """Create the sweep's parent run, or reopen the existing one of the same name."""
-        found = self._search(f"tags.`{TAG_SWEEP}` = {_quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'")
+    def find_parent(self) -> Optional[str]:
+        """The parent run of an earlier sweep of the same name, if any (changes nothing)."""
+        found = self._search(f"tags.`{TAG_SWEEP}` = {_quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'",
+                             order_by=["attributes.start_time ASC"])
         if found:
             self.parent_id = found[0].info.run_id
             self.resumed = True
+        return self.parent_id
+
+    def start(self, params: Mapping[str, Any], tags: Mapping[str, Any], config_yaml: str) -> str:
+        """Create the sweep's parent run, or reopen the existing one of the same name."""
+        if self.parent_id or self.find_parent():
             self.client.update_run(self.parent_id, status="RUNNING")
         else:
             run = self.client.create_run(
@@ -273,6 +279,8 @@ class SweepTracker:
         return done
 
     def load_result(self, run_id: str) -> RunResult:
+        # Artifact downloads draw a progress bar by default: noise between progress lines.
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         with tempfile.TemporaryDirectory() as tmp:
             path = self.client.download_artifacts(run_id, RESULT_ARTIFACT, dst_path=tmp)
             with open(path) as f:

@@ -1,0 +1,255 @@
+"""Sweep planning, the CLI's early errors, and real sweeps through the CLI into a real MLflow store.
+
+The end-to-end tests run ``experiments/scaling.py`` as a subprocess (a local Ray instance each run, as a
+user would) with few steps, then read the sqlite store the runs went to.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow import MlflowClient
+
+from rayvit.config import ConfigError, load_config
+from rayvit.sweep import plan
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "scaling.py"
+CONFIGS = REPO / "experiments" / "configs"
+FEW_STEPS = ["--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
+
+
+# -- planning ----------------------------------------------------------------------------------------
+
+def test_scaling_plan_covers_every_strategy_at_every_count_ddp_first():
+    cfg = load_config(CONFIGS / "cpu_default.yaml", ["sweep.strategies=fsdp,ddp", "sweep.worker_counts=2,1"])
+    points = plan(cfg)
+    assert [p.key for p in points] == ["ddp/w1", "fsdp/w1", "ddp/w2", "fsdp/w2"]
+    for p in points:
+        assert (p.cfg.parallel.strategy, p.cfg.parallel.num_workers) == (p.series, p.world_size)
+        # Everything but strategy and workers is the sweep's: same model, batch, data and precision.
+        assert p.cfg.model == cfg.model and p.cfg.train == cfg.train and p.cfg.precision == cfg.precision
+
+
+def test_study_config_plans_8_to_64_gpus():
+    points = plan(load_config(CONFIGS / "study_a100.yaml"))
+    assert sorted({p.world_size for p in points}) == [8, 16, 32, 64]
+    assert {p.series for p in points} == {"ddp", "fsdp", "fairscale_fsdp"}
+    c = points[0].cfg
+    assert (c.model.hidden_dim, c.model.depth, c.model.patch_size) == (1280, 32, 16) and c.parallel.use_gpu
+
+
+def test_ladder_is_cumulative_with_bf16_on_cpu():
+    cfg = load_config(CONFIGS / "ladder_cpu.yaml")
+    points = plan(cfg)
+    assert [p.series for p in points] == ["baseline", "mixed_precision", "fsdp", "mta_optimizer",
+                                          "pooled_classifier", "batch_second", "image_256", "full_half"]
+    assert {p.world_size for p in points} == {cfg.parallel.num_workers}
+    state = [(p.cfg.parallel.strategy, p.cfg.precision.mode, p.cfg.optim.impl, p.cfg.model.classifier,
+              p.cfg.model.layout, p.cfg.model.image_size) for p in points]
+    assert state[0] == ("ddp", "fp32", "loop", "token", "batch_first", 32)
+    assert state[3] == ("fsdp", "mixed", "foreach", "token", "batch_first", 32)
+    assert state[-1] == ("fsdp", "pure", "foreach", "pooled", "batch_second", cfg.sweep.ladder_image_size)
+    assert {p.cfg.precision.dtype for p in points} == {"bf16"}
+    # On GPUs the configured half type stays (the study ran fp16).
+    gpu = plan(load_config(CONFIGS / "study_a100.yaml", ["sweep.mode=ladder", "precision.mode=amp"]))
+    assert {p.cfg.precision.dtype for p in gpu} == {"fp16"} and gpu[-2].cfg.model.image_size == 256
+    # A subset of rungs is still cumulative: pooled_classifier carries the skipped rungs' changes.
+    two = plan(load_config(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=baseline,pooled_classifier"]))
+    assert [(p.series, p.cfg.parallel.strategy, p.cfg.optim.impl) for p in two] == [
+        ("baseline", "ddp", "loop"), ("pooled_classifier", "fsdp", "foreach")]
+
+
+def test_plan_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="must include baseline"):
+        plan(load_config(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=fsdp,full_half"]))
+    with pytest.raises(ConfigError, match="fp32 or amp"):
+        plan(load_config(CONFIGS / "ladder_cpu.yaml", ["precision.mode=pure"]))
+    with pytest.raises(ConfigError, match="fairscale_fsdp at 1 workers: .*needs CUDA"):
+        plan(load_config(CONFIGS / "cpu_default.yaml", ["sweep.strategies=ddp,fairscale_fsdp"]))
+    with pytest.raises(ConfigError, match="must include ddp"):
+        load_config(CONFIGS / "cpu_default.yaml", ["sweep.strategies=fsdp"])
+
+
+def test_config_hash_tracks_what_a_point_measures():
+    base = plan(load_config(CONFIGS / "cpu_default.yaml"))[0]
+    renamed = plan(load_config(CONFIGS / "cpu_default.yaml", ["sweep.name=other", "train.max_failures=2"]))[0]
+    bigger = plan(load_config(CONFIGS / "cpu_default.yaml", ["train.batch_size=32"]))[0]
+    assert base.config_hash == renamed.config_hash != bigger.config_hash
+
+
+# -- the CLI's errors before anything runs (in process: none of these may start Ray) -----------------
+
+def _main(argv, capsys):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import scaling
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    code = scaling.main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_reports_bad_input_before_running(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    code, _, err = _main(["--config", str(tmp_path / "missing.yaml")], capsys)
+    assert code == 2 and "config file not found" in err
+    code, _, err = _main(["--set", "sweep.bogus=1"], capsys)
+    assert code == 2 and "unknown key 'sweep.bogus'" in err
+    code, _, err = _main(["--set", "train.steps=zero"], capsys)
+    assert code == 2 and "train.steps='zero' must be an integer" in err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    start = time.monotonic()
+    code, _, err = _main([], capsys)
+    assert code == 2 and f"cannot reach the MLflow tracking server at http://127.0.0.1:{port}" in err
+    assert time.monotonic() - start < 15
+    import ray
+    assert not ray.is_initialized()
+
+
+def test_dry_run_lists_points_and_resources(capsys):
+    code, out, _ = _main(["--dry-run", "--set", "sweep.worker_counts=1,2,4"], capsys)
+    assert code == 0
+    assert re.search(r"9\s+fairscale_oss/w4\s+fairscale_oss\s+4\s+CPU 4", out)
+    assert "largest point needs: CPU 4" in out
+    code, out, _ = _main(["--dry-run", "--config", str(CONFIGS / "study_a100.yaml")], capsys)
+    assert code == 0 and "GPU 64" in out and "CPU 512" in out
+
+
+# -- real sweeps through the CLI --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweeps")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", RAYVIT_HOME=str(root / "home"),
+               PYTHONUNBUFFERED="1")
+    return root, env
+
+
+def run_cli(env, *args, timeout=400):
+    # From another directory: results must not depend on where the user stands.
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, cwd="/", capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _children(client, parent_id, kind="point"):
+    exp = client.get_run(parent_id).info.experiment_id
+    return client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent_id}' and tags.`rayvit.kind` = '{kind}'")
+
+
+def _parent(client, experiment, sweep):
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], f"tags.`rayvit.sweep` = '{sweep}' and tags.`rayvit.kind` = 'sweep'")
+    assert len(runs) == 1
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def default_sweep(store):
+    root, env = store
+    start = time.monotonic()
+    proc = run_cli(env, "--name", "default", *FEW_STEPS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(f"default sweep: {time.monotonic() - start:.0f} s")
+    return proc, MlflowClient(env["MLFLOW_TRACKING_URI"])
+
+
+def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store):
+    proc, _ = default_sweep
+    out = proc.stdout
+    assert "[1/6] running ddp @ 1 worker" in out and "[6/6] running fairscale_oss @ 2 workers" in out
+    assert re.search(r"\[2/6\] running .*elapsed 0:\d\d, about \d+:\d\d left", out)
+    assert re.search(r"^fsdp/w2\s+done\s+2\s", out, re.M)
+    assert "6 points ran, 0 reused, 0 failed" in out
+    assert f"mlflow ui --backend-store-uri sqlite:///{store[0]}/mlflow.db" in out
+
+
+def test_default_sweep_store(default_sweep, tmp_path):
+    _, client = default_sweep
+    parent = _parent(client, "cpu_default", "default")  # experiment named after the config file
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["sweep.worker_counts"] == "[1, 2]"
+    children = _children(client, parent.info.run_id)
+    assert sorted(c.data.tags["rayvit.point"] for c in children) == sorted(
+        f"{s}/w{n}" for s in ("ddp", "fsdp", "fairscale_oss") for n in (1, 2))
+    for child in children:
+        tags, n = child.data.tags, int(child.data.tags["world_size"])
+        assert child.info.status == "FINISHED"
+        assert tags["strategy"] == child.data.params["parallel.strategy"]
+        assert {"accelerator", "torch_version", "ray_version", "mlflow_version"} <= set(tags)
+        assert child.data.params["train.steps"] == "6" and child.data.params["model.hidden_dim"] == "64"
+        assert child.data.metrics["tflops_per_chip"] > 0
+        # Summary figures at step = chips (overlaid across children in MLflow's compare view) ...
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "tflops_per_chip")] == [n]
+        # ... and the per-step history of the run itself.
+        assert len(client.get_metric_history(child.info.run_id, "loss")) == 6
+    # Curves on the parent: one history per strategy, step = number of chips.
+    pid = parent.info.run_id
+    for strategy in ("ddp", "fsdp", "fairscale_oss"):
+        history = client.get_metric_history(pid, f"tflops_per_chip/{strategy}")
+        assert sorted(m.step for m in history) == [1, 2]
+    speedups = {m.step: m.value for m in client.get_metric_history(pid, "speedup_vs_ddp/ddp")}
+    assert speedups == {1: 1.0, 2: 1.0}
+    assert len(client.get_metric_history(pid, "speedup_vs_ddp/fsdp")) == 2
+    assert {c.data.tags["series"] for c in _children(client, pid, "curve")} == {"ddp", "fsdp", "fairscale_oss"}
+
+    names = {f.path for f in client.list_artifacts(pid)}
+    assert {"config.yaml", "results.parquet", "scaling.png"} <= names
+    table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
+    assert table.num_rows == 6
+    rows = table.to_pylist()
+    assert {r["status"] for r in rows} == {"done"}
+    assert all(r["model"] and r["precision"] == "fp32" and r["batch_per_chip"] == 16 for r in rows)
+    ddp = {r["world_size"]: r for r in rows if r["strategy"] == "ddp"}
+    for r in rows:
+        assert r["speedup_vs_ddp"] == pytest.approx(r["tflops_per_chip"] / ddp[r["world_size"]]["tflops_per_chip"])
+    png = Path(client.download_artifacts(pid, "scaling.png", str(tmp_path)))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(store):
+    root, env = store
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    sweep = ["--name", "resume", "--set", "sweep.strategies=ddp", *FEW_STEPS]
+
+    # 1. The only point crashes (an injected fault, no retries): recorded, exit status 1.
+    proc = run_cli(env, *sweep, "--set", "sweep.worker_counts=1", "--set", "train.fail_at_step=3")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED ddp/w1" in proc.stdout
+    parent = _parent(client, "cpu_default", "resume")
+    assert parent.info.status == "FAILED"
+    (failed,) = _children(client, parent.info.run_id)
+    assert failed.info.status == "FAILED" and "injected fault on rank 0 at step 3" in failed.data.tags["rayvit.error"]
+
+    # 2. Rerun with one more worker count: the failed point runs again and the missing one runs.
+    proc = run_cli(env, *sweep, "--set", "sweep.worker_counts=1,2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 points ran, 0 reused, 0 failed" in proc.stdout
+    children = _children(client, parent.info.run_id)
+    assert sorted((c.data.tags["rayvit.point"], c.info.status) for c in children) == [
+        ("ddp/w1", "FAILED"), ("ddp/w1", "FINISHED"), ("ddp/w2", "FINISHED")]
+    assert _parent(client, "cpu_default", "resume").info.run_id == parent.info.run_id
+
+    # 3. A point that cannot fit this 2-CPU cluster stops the sweep before anything runs or is recorded.
+    proc = run_cli(env, *sweep, "--set", "sweep.worker_counts=1,2,3")
+    assert proc.returncode == 2 and "asked for 3 workers" in proc.stderr, proc.stderr[-3000:]
+    assert len(_children(client, parent.info.run_id)) == 3
+
+    # 4. Everything finished: nothing runs again, the summary comes from the store.
+    proc = run_cli(env, *sweep, "--set", "sweep.worker_counts=1,2")
+    assert proc.returncode == 0 and "0 points ran, 2 reused, 0 failed" in proc.stdout
+    assert len(_children(client, parent.info.run_id)) == 3
+    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "tflops_per_chip/ddp")) == [1, 2]
