@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import signal
 import sys
+import threading
 import tempfile
 import time
 import traceback
@@ -465,11 +467,15 @@ def _run_point(point: Point, tracker, fit: Callable[[Config], RunResult]) -> Out
         tags["rayvit.rung"] = point.series
     run_id = tracker.start_point(point.key, point.key, point.config_hash, c.flatten(), tags)
     start = time.monotonic()
+    # Ray Train's fit() installs its own SIGINT handler (abort the run, then sys.exit) and leaves it
+    # installed; put ours back afterwards so a Ctrl-C between points is a plain KeyboardInterrupt.
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
         result = fit(c)
-    except KeyboardInterrupt:
-        tracker.fail_point(run_id, "interrupted (KeyboardInterrupt)", status="KILLED")
-        raise
+    except (KeyboardInterrupt, SystemExit) as e:
+        tracker.fail_point(run_id, f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)", status="KILLED")
+        raise KeyboardInterrupt from e
     except TrainingError as e:
         error = str(e) or repr(e)
         tracker.fail_point(run_id, error)
@@ -478,6 +484,9 @@ def _run_point(point: Point, tracker, fit: Callable[[Config], RunResult]) -> Out
         error = traceback.format_exc()
         tracker.fail_point(run_id, error)
         return Outcome(point, "failed", error=error, run_id=run_id, seconds=time.monotonic() - start)
+    finally:
+        if main_thread and handler is not None:
+            signal.signal(signal.SIGINT, handler)
     seconds = time.monotonic() - start
     tracker.finish_point(run_id, result, step=point.world_size)
     tracker.log_metrics(run_id, {"driver_seconds": seconds}, step=point.world_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -253,3 +254,33 @@ def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(store):
     assert proc.returncode == 0 and "0 points ran, 2 reused, 0 failed" in proc.stdout
     assert len(_children(client, parent.info.run_id)) == 3
     assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "tflops_per_chip/ddp")) == [1, 2]
+
+
+def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(store):
+    root, env = store
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--name", "interrupted", "--set", "sweep.strategies=ddp",
+                             "--set", "sweep.worker_counts=1", "--set", "train.steps=5000",
+                             "--set", "train.report_every=5000"],
+                            env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            exp = client.get_experiment_by_name("cpu_default")
+            running = exp and client.search_runs(
+                [exp.experiment_id], "tags.`rayvit.sweep` = 'interrupted' and tags.`rayvit.kind` = 'point'")
+            if running:
+                break
+            time.sleep(0.5)
+        time.sleep(5)  # inside Ray Train's fit(), which installs its own SIGINT handling
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "rerun with the same --name to resume" in err
+    parent = _parent(client, "cpu_default", "interrupted")
+    assert parent.info.status == "KILLED"
+    (child,) = _children(client, parent.info.run_id)
+    assert child.info.status == "KILLED" and "interrupted" in child.data.tags["rayvit.error"]
