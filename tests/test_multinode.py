@@ -1,0 +1,360 @@
+"""A real two-node Ray cluster on this machine: SPREAD placement and recovery from a lost node.
+
+The head and a worker node are separate ``ray start --block`` processes, each in its own process group,
+with their own ports and ``--temp-dir``, so the test neither sees nor disturbs any other Ray instance
+here. ``ray stop`` is never used: it stops every Ray process on the machine, other people's included.
+Losing a node is ``SIGKILL`` to the worker node's whole process group (raylet, agents and the Train
+worker on it), which is what a crashed machine looks like to the rest of the cluster.
+
+The training runs go through ``rayvit.trainer.fit`` in a driver subprocess attached with ``RAY_ADDRESS``
+(as under ``ray job submit``); that process, not this one, talks to Ray, so the pytest process stays
+free for tests that start their own local Ray. The driver records which node each live Train worker
+actor is on (Ray's state API) and each run's summary as JSON lines, which the tests assert on.
+
+Observed with Ray 2.60 (2 CPUs, 1 per node), see the README's "Checking" section:
+- killing the worker node mid-run fails the rank on the head at once (gloo: "Connection closed by peer"),
+  the controller's health check finds the other actor unreachable, and with ``train.max_failures>=1``
+  a new worker group is placed as soon as a node with a free CPU joins: the restarted node (a new node
+  id), since SPREAD over 1-CPU nodes needs both. The run resumes from its latest checkpoint.
+- if no node joins, the new group waits ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (rayvit sets 30 s)
+  and the run then fails as a *controller* error (rayvit sets ``controller_failure_limit=0``), not
+  counted against ``max_failures``; Ray's own default (unlimited controller retries) would wait forever.
+- SPREAD is best effort ("as evenly as possible"); with one CPU per node the one-worker-per-node
+  placement is also forced by resources. With spare CPUs on the surviving node, the retried group
+  would be packed there instead of waiting for a replacement (STRICT_SPREAD would wait).
+- ``ray start`` rewrites ``--node-ip-address=127.0.0.1`` to the host's routable address, so both nodes
+  report the same IP and Ray Train gives them ``node_rank=0`` and local ranks 0 and 1: placement has to
+  be read from node ids, which is what the driver records.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+HEAD_LABEL, WORKER_LABEL = "rayvit_head", "rayvit_worker"
+
+# A tiny ViT for 2 x 40 steps: long enough to lose a node between checkpoints (every 5 steps, each
+# report ~0.5 s), short enough that Ray's start-up dominates.
+RUN = ["parallel.num_workers=2", "parallel.placement_strategy=SPREAD", "parallel.strategy=ddp",
+       "parallel.cpus_per_worker=1", "data.name=synthetic", "train.batch_size=16", "train.steps=40",
+       "train.warmup_steps=2", "train.report_every=5", "train.checkpoint_every=5", "train.max_failures=1"]
+
+# Runs in the cluster as the driver: waits for both nodes, runs each requested fit(), and appends
+# events (placement of the Train worker actors, results, failures) to a JSON-lines file.
+DRIVER = r'''
+import json, os, sys, threading, time
+import ray
+from ray.util.state import list_actors
+from rayvit.config import from_dict
+from rayvit.trainer import TrainingError, ensure_ray, fit
+
+spec = json.load(open(sys.argv[1]))
+events = open(spec["events"], "a", buffering=1)
+current = {"run": None}
+
+def record(**event):
+    events.write(json.dumps({"t": time.time(), "run": current["run"], **event}) + "\n")
+
+def labels():
+    return {n["NodeID"]: next((k for k in n["Resources"] if k.startswith("rayvit_")), None)
+            for n in ray.nodes() if n["Alive"]}
+
+ensure_ray()
+# A killed node stays "alive" to the GCS until its health checks fail: wait for exactly our two.
+deadline = time.time() + 90
+while sorted(filter(None, labels().values())) != ["rayvit_head", "rayvit_worker"] or len(labels()) != 2:
+    if time.time() > deadline:
+        record(event="error", error=f"cluster never had exactly one head and one worker node: {labels()}")
+        sys.exit(3)
+    time.sleep(0.2)
+node_labels = labels()
+record(event="nodes", nodes=node_labels)
+
+def watch():
+    seen = None
+    while True:
+        try:
+            actors = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+                                 raise_on_missing_output=False)
+        except Exception:          # the state API can lag while a node is dying; the next poll retries
+            actors = None
+        if actors is not None:
+            now = sorted((a.actor_id, a.node_id) for a in actors)
+            if now != seen:
+                seen = now
+                if any(n not in node_labels for _, n in now):
+                    node_labels.update(labels())
+                record(event="workers", workers=[{"actor": a, "node": n, "label": node_labels.get(n)}
+                                                 for a, n in now])
+        time.sleep(0.25)
+
+threading.Thread(target=watch, daemon=True).start()
+for run in spec["runs"]:
+    current["run"] = run["name"]
+    os.environ["RAYVIT_HOME"] = run["home"]          # read by fit() for its storage path
+    record(event="start")
+    try:
+        record(event="done", result=fit(from_dict({}, run["overrides"])).to_dict())
+    except TrainingError as e:
+        record(event="failed", error=str(e))
+time.sleep(0.5)                                      # let the watcher log the workers' exit
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_in_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGKILL a process group and wait until none of its members is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.time() + timeout
+    while _pids_in_group(proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+
+
+class LocalCluster:
+    """A head and one worker node, each a ``ray start --block`` process group on this machine."""
+
+    def __init__(self, ray_tmp: str, logs: Path):
+        self.ray_tmp, self.logs = ray_tmp, logs
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token"}   # as rayvit.trainer sets for its drivers
+        self.env.pop("RAY_ADDRESS", None)
+        self.head = self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=true",
+                                         "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}",
+                                         f"--ray-client-server-port={_free_port()}",
+                                         f'--resources={{"{HEAD_LABEL}": 1}}'])
+        self.worker: subprocess.Popen | None = None
+        self.worker_starts = 0
+        self.start_worker()
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        # Every port a second node would otherwise share with the head (or with another Ray instance on
+        # this machine) is chosen free; the rest default to random ports.
+        cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+               f"--temp-dir={self.ray_tmp}", "--object-store-memory=100000000", "--disable-usage-stats",
+               f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}", *args]
+        log = open(self.logs / f"{name}.log", "w")
+        # Its own session: the whole node (raylet, GCS, agents, Ray workers) shares one process group.
+        return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start_worker(self) -> None:
+        self.worker_starts += 1
+        self.worker = self._start(f"worker{self.worker_starts}",
+                                  [f"--address={self.address}", f'--resources={{"{WORKER_LABEL}": 1}}'])
+
+    def kill_worker(self) -> None:
+        assert self.worker is not None
+        _kill_group(self.worker)
+        assert not _pids_in_group(self.worker.pid), "the worker node's processes outlived SIGKILL"
+        self.worker = None
+
+    def ensure_worker(self) -> None:
+        if self.worker is None or self.worker.poll() is not None:
+            self.start_worker()
+
+    def driver(self, name: str, runs: list[dict], env: dict | None = None) -> "Driver":
+        return Driver(self, name, runs, env or {})
+
+    def stop(self) -> None:
+        for proc in (self.worker, self.head):
+            if proc is not None:
+                _kill_group(proc)
+        # Anything still naming our temp dir (e.g. a process that left the group) is ours too.
+        for pid in _pids_mentioning(self.ray_tmp):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Driver:
+    """``fit()`` runs in a subprocess attached to the cluster; its events as a list of dicts."""
+
+    def __init__(self, cluster: LocalCluster, name: str, runs: list[dict], env: dict):
+        self.events_path = cluster.logs / f"{name}.events.jsonl"
+        self.log_path = cluster.logs / f"{name}.driver.log"
+        spec = cluster.logs / f"{name}.spec.json"
+        spec.write_text(json.dumps({"events": str(self.events_path), "runs": runs}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, str(spec)], cwd=ROOT, start_new_session=True,
+            env={**cluster.env, "RAY_ADDRESS": cluster.address, **env},
+            stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+
+    def events(self) -> list[dict]:
+        if not self.events_path.exists():
+            return []
+        return [json.loads(line) for line in self.events_path.read_text().splitlines() if line.strip()]
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"driver still running after {timeout:.0f} s:\n{self.tail()}") from None
+
+    def wait_for(self, what: str, condition, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"driver exited (rc {self.proc.returncode}) before {what}:\n{self.tail()}"
+            assert time.time() < deadline, f"no {what} after {timeout:.0f} s:\n{self.tail()}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            _kill_group(self.proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # Short temp dir: Ray's Unix socket paths must stay under 107 characters.
+    ray_tmp = tempfile.mkdtemp(prefix="rvmn-", dir="/tmp")
+    logs = tmp_path_factory.mktemp("multinode")
+    c = LocalCluster(ray_tmp, logs)
+    try:
+        yield c
+    finally:
+        c.stop()
+        stray = _pids_mentioning(ray_tmp) + [pid for p in (c.head, c.worker) if p for pid in _pids_in_group(p.pid)]
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        assert not stray, f"Ray processes left behind: {stray}"
+
+
+def _has_checkpoint(home: str) -> bool:
+    """Whether a run under ``RAYVIT_HOME=home`` has committed a checkpoint folder."""
+    return any(os.path.isdir(p) for p in glob.glob(os.path.join(home, "ray_results", "*", "checkpoint_*")))
+
+
+def _placements(events: list[dict], run: str) -> list[list[dict]]:
+    """Each distinct set of two live Train workers seen during ``run``."""
+    return [e["workers"] for e in events if e["event"] == "workers" and e["run"] == run and len(e["workers"]) == 2]
+
+
+def _one(events: list[dict], event: str, run: str) -> dict:
+    found = [e for e in events if e["event"] == event and e["run"] == run]
+    assert len(found) == 1, f"expected one {event!r} event for run {run!r}, got {found}"
+    return found[0]
+
+
+def test_node_loss_mid_run_recovers_from_checkpoint(cluster, tmp_path):
+    """SPREAD puts one worker per node; killing the worker node mid-run and restarting it, the run
+    resumes from its last checkpoint and ends with the same step count and losses as an unbroken run."""
+    cluster.ensure_worker()
+    home = {name: str(tmp_path / name) for name in ("reference", "faulty")}
+    driver = cluster.driver("recover", [{"name": name, "home": home[name], "overrides": RUN}
+                                        for name in ("reference", "faulty")])
+    try:
+        driver.wait_for("checkpoint of the faulty run", lambda: _has_checkpoint(home["faulty"]), timeout=90)
+        nodes = next(e["nodes"] for e in driver.events() if e["event"] == "nodes")
+        first_worker_node = next(n for n, label in nodes.items() if label == WORKER_LABEL)
+        killed_at = time.time()
+        cluster.kill_worker()
+        cluster.start_worker()
+        restarted_at = time.time()
+        rc = driver.wait(timeout=90)
+    finally:
+        driver.stop()
+    events = driver.events()
+    assert rc == 0, driver.tail()
+
+    reference = _one(events, "done", "reference")["result"]
+    faulty = _one(events, "done", "faulty")["result"]
+    assert reference["restarts"] == 0
+    assert faulty["restarts"] == 1, "the worker node was lost but the run never restarted"
+
+    # One worker per node, before and after the loss; afterwards on the restarted node (a new id).
+    before, *after = _placements(events, "faulty")
+    assert sorted(w["label"] for w in before) == [HEAD_LABEL, WORKER_LABEL], before
+    assert first_worker_node in {w["node"] for w in before}
+    assert after, f"no second worker group seen: {events}"
+    assert sorted(w["label"] for w in after[-1]) == [HEAD_LABEL, WORKER_LABEL], after[-1]
+    assert first_worker_node not in {w["node"] for w in after[-1]}
+    assert not {w["actor"] for w in before} & {w["actor"] for w in after[-1]}
+
+    # Continuous: every step exactly once, and the resumed steps reproduce the unbroken run's losses
+    # (same seed, data stream, optimizer and schedule state restored from the checkpoint).
+    steps = 40
+    assert [h["step"] for h in faulty["history"]] == list(range(steps))
+    ref_losses = [h["loss"] for h in reference["history"]]
+    losses = [h["loss"] for h in faulty["history"]]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+    assert losses[-1] < losses[0]
+
+    new_group = next(e["t"] for e in events if e["event"] == "workers" and e["run"] == "faulty"
+                     and e["workers"] and e["t"] > killed_at)
+    done = _one(events, "done", "faulty")["t"]
+    print(f"\nworker node killed; restarted {restarted_at - killed_at:.1f} s later; first new Train worker "
+          f"{new_group - killed_at:.1f} s after the kill; run finished {done - killed_at:.1f} s after it")
+
+
+def test_node_loss_without_a_replacement_fails_after_start_timeout(cluster, tmp_path):
+    """If the lost node never comes back, the new worker group cannot be placed (SPREAD, 1 CPU per
+    node): the run fails once ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` has passed, never hangs."""
+    cluster.ensure_worker()
+    timeout_s = 10
+    home = str(tmp_path / "lost")
+    driver = cluster.driver("lost", [{"name": "lost", "home": home, "overrides": RUN}],
+                            env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(timeout_s)})
+    try:
+        driver.wait_for("checkpoint", lambda: _has_checkpoint(home), timeout=90)
+        killed_at = time.time()
+        cluster.kill_worker()
+        rc = driver.wait(timeout=90)
+    finally:
+        driver.stop()
+    events = driver.events()
+    assert rc == 0, driver.tail()
+    failed = _one(events, "failed", "lost")
+    assert f"timed out after {float(timeout_s)} seconds" in failed["error"], failed["error"]
+    waited = failed["t"] - killed_at
+    assert waited >= timeout_s, f"failed {waited:.1f} s after the loss, before the start timeout"
+    print(f"\nworker node killed, not replaced: run failed {waited:.1f} s later: {failed['error'][:160]}")
