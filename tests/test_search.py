@@ -1,0 +1,239 @@
+"""The Tune search: validation, the constraint and divergence logic, a CLI search end to end, ASHA.
+
+One local Ray instance for the module, started without the dashboard on purpose: Ray Train's own
+placement-group cleaner then cannot work, so the ASHA test shows that rayvit's release of stopped trials'
+groups is what keeps later trials from starving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rayvit.trainer  # noqa: F401 - sets Ray's auth mode before ray is imported
+import ray  # noqa: E402
+from mlflow import MlflowClient  # noqa: E402
+
+from rayvit.config import ConfigError, load_config  # noqa: E402
+from rayvit.results import RunResult  # noqa: E402
+from rayvit.trainer import TrainingError, fit  # noqa: E402
+from rayvit.tune import (  # noqa: E402
+    ERROR_KEY, STATUS_KEY, accuracy_excess, best_outcome, is_divergence, judge, plan_search, run_search,
+    time_to_accuracy, trial_trainable, TrialOutcome, Verdict)
+
+REPO = Path(__file__).resolve().parent.parent
+SEARCH_CPU = REPO / "experiments" / "configs" / "search_cpu.yaml"
+# Small and quick: every trial trains the same few steps on digits with 2 workers.
+QUICK = {"train.steps": 40, "train.report_every": 10, "train.warmup_steps": 5}
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    home = tmp_path_factory.mktemp("rayvit_home")
+    saved = {k: os.environ.get(k) for k in ("RAYVIT_HOME", "MLFLOW_TRACKING_URI")}
+    os.environ["RAYVIT_HOME"] = str(home)
+    os.environ["MLFLOW_TRACKING_URI"] = "sqlite:///" + str(home / "mlflow.db")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield home
+    ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def search_cfg(**overrides):
+    return load_config(SEARCH_CPU, {**QUICK, **overrides})
+
+
+def run_result(val_accuracy, tflops=0.02, evals=(), step_time=0.1, steps=10):
+    """A RunResult with chosen figures, as the trainer returns it (input for the pure judging functions)."""
+    metrics = {"tflops_per_chip": tflops, "images_per_sec": 100.0, "val_accuracy": val_accuracy,
+               "final_loss": 0.5}
+    history = [{"step": s, "loss": 1.0, "lr": 1e-3, "step_time_s": step_time} for s in range(steps)]
+    return RunResult(metrics, {"model": "custom"}, history, [dict(e) for e in evals])
+
+
+# -- validation: bad input fails before anything starts --------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"search.space": {}}, "search.space is empty"),
+    ({"search.space": {"precision.modee": ["amp"]}}, "unknown key 'precision.modee'"),
+    ({"search.space": {"bogus.key": [1]}}, "unknown key 'bogus.key'"),
+    ({"search.space": {"train.steps": [10, 20]}}, "cannot be searched"),
+    ({"search.space": {"precision.mode": []}}, "empty list"),
+    ({"search.space": {"model.image_size": [30]}}, "divisible by model.patch_size"),
+    ({"search.baseline": {}}, "needs a baseline"),
+    ({"search.baseline": {"train.batch_size": 8}}, "baseline key"),
+    ({"data.name": "synthetic"}, "real dataset"),
+    ({"search.objective": "time_to_accuracy"}, "train.eval_every"),
+])
+def test_bad_input_is_refused_before_any_trial(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_search(search_cfg(**overrides))
+
+
+def test_cli_bad_input_exits_2_without_starting_ray(tmp_path):
+    env = {**os.environ, "RAYVIT_HOME": str(tmp_path), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    proc = subprocess.run([sys.executable, "experiments/search.py", "--set", "search.space={foo.bar: [1]}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown key 'foo.bar'" in proc.stderr
+    assert not (tmp_path / "m.db").exists()      # nothing was recorded: it stopped before MLflow
+
+
+def test_default_search_spans_6_to_8_bf16_trials():
+    plan = plan_search(load_config(SEARCH_CPU))
+    assert 6 <= plan.num_trials <= 8
+    assert plan.base.precision.dtype == "bf16" and {s["precision.mode"] for s in plan.settings} <= {"amp", "mixed", "pure"}
+    assert plan.baseline.precision.mode == "fp32" and plan.baseline.optim.impl == "loop"
+    assert plan.baseline.model.image_size == plan.base.model.image_size
+
+
+# -- the constraint and the objective ---------------------------------------------------------------
+
+def test_constraint_is_absolute_accuracy_points_below_the_baseline():
+    cfg = search_cfg(**{"search.max_accuracy_drop": 0.02})
+    assert judge("done", run_result(0.90), 0.91, cfg).feasible
+    assert judge("done", run_result(0.89), 0.91, cfg).feasible           # exactly the allowed drop
+    assert judge("done", run_result(0.95), 0.91, cfg).feasible           # better than the baseline
+    v = judge("done", run_result(0.88), 0.91, cfg)
+    assert not v.feasible and "3.0 points below" in v.reason and v.objective == pytest.approx(0.02)
+    assert v.accuracy_drop == pytest.approx(0.03)
+    # The constraint value the Optuna sampler sees: <= 0 feasible.
+    assert accuracy_excess(run_result(0.90), 0.91, 0.02) <= 0 < accuracy_excess(run_result(0.88), 0.91, 0.02)
+    assert not judge("done", run_result(float("nan")), 0.91, cfg).feasible
+
+
+def test_diverged_stopped_and_failed_trials_are_infeasible_with_a_reason():
+    cfg = search_cfg()
+    v = judge("diverged", None, 0.9, cfg, error="...\nDivergedError: loss is nan at step 3; the run diverged")
+    assert not v.feasible and v.reason.startswith("diverged") and "loss is nan" in v.reason
+    v = judge("stopped", None, 0.9, cfg, last={"step": 20, "loss": 2.2})
+    assert not v.feasible and v.reason == "stopped early by ASHA at step 20 (loss 2.2)"
+    assert not judge("failed", None, 0.9, cfg, error="boom").feasible
+
+
+def test_time_to_accuracy_and_best_feasible():
+    evals = [{"step": 5, "val_accuracy": 0.5}, {"step": 10, "val_accuracy": 0.93}]
+    assert time_to_accuracy(run_result(0.93, evals=evals, step_time=0.2), 0.9) == pytest.approx(2.0)
+    assert time_to_accuracy(run_result(0.93, evals=evals), 0.95) is None
+    cfg = search_cfg(**{"search.objective": "time_to_accuracy", "train.eval_every": 5})
+    v = judge("done", run_result(0.93, evals=evals), 0.93, cfg.replace({"search.target_accuracy": 0.95}))
+    assert not v.feasible and "never reached" in v.reason
+
+    def outcome(label, feasible, objective):
+        return TrialOutcome(label, {}, "done", Verdict(feasible, "", objective, 0.0))
+    outcomes = [outcome("a", True, 1.0), outcome("b", False, 9.0), outcome("c", True, 3.0)]
+    assert best_outcome(outcomes, "max").label == "c"         # the infeasible faster one is not chosen
+    assert best_outcome(outcomes, "min").label == "a"
+    assert best_outcome([outcome("x", False, 1.0)], "max") is None
+
+
+# -- divergence, for real ---------------------------------------------------------------------------
+
+def test_nan_loss_stops_the_trial_cleanly_and_reads_as_diverged(local_ray):
+    # An absurd learning rate overflows the weights at the first step: the next loss is NaN/inf.
+    cfg = search_cfg(**{"optim.lr": 1e30, "parallel.num_workers": 1})
+    with pytest.raises(TrainingError) as caught:
+        fit(cfg)
+    assert is_divergence(caught.value)
+    assert not is_divergence(TrainingError("ddp x 2 workers failed: RuntimeError: out of memory"))
+
+    # Inside a Tune trial the same divergence is reported as a result, not raised as a trial error.
+    from ray import tune
+
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(trial_trainable, base=cfg.to_dict(), search_name="div",
+                                                 baseline_accuracy=0.9), {"CPU": 0, "node:__internal_head__": 0.001}),
+        run_config=tune.RunConfig(storage_path=str(local_ray / "tune"), verbose=0))
+    [result] = list(tuner.fit())
+    assert result.error is None
+    assert result.metrics[STATUS_KEY] == "diverged" and "diverged" in result.metrics[ERROR_KEY]
+    v = judge("diverged", None, 0.9, cfg, error=result.metrics[ERROR_KEY])
+    assert not v.feasible and v.reason.startswith("diverged")
+
+
+# -- a search end to end through the CLI ------------------------------------------------------------
+
+def test_cli_search_end_to_end(local_ray, tmp_path):
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        import search as search_cli
+    finally:
+        sys.path.pop(0)
+    best_path = tmp_path / "best.yaml"
+    sets = [f"{k}={v}" for k, v in QUICK.items()] + [
+        "search.space={precision.mode: [amp, pure]}", "search.max_accuracy_drop=0.05"]
+    argv = ["--name", "e2e", "--output", str(best_path)] + [a for s in sets for a in ("--set", s)]
+    assert search_cli.main(argv) == 0    # in-process: uses this module's Ray instance
+
+    # MLflow: one parent run for the search, a child per trial and one for the baseline.
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("rayvit-search")
+    [parent] = client.search_runs([exp.experiment_id], "tags.`rayvit.kind` = 'search' and tags.`rayvit.sweep` = 'e2e'")
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["rayvit.trial"] for c in children) == ["baseline", "t01", "t02"]
+    for child in children:
+        assert child.data.tags["feasible"] in ("true", "false") and child.data.tags["reason"]
+        assert child.data.params["train.steps"] == "40"
+        if child.data.tags["rayvit.trial"] != "baseline":
+            assert child.data.params["trial.precision.mode"] in ("amp", "pure")
+            assert child.data.tags["precision"].startswith(child.data.params["trial.precision.mode"])
+        assert child.data.metrics["tflops_per_chip"] > 0 and 0 <= child.data.metrics["val_accuracy"] <= 1
+    baseline = next(c for c in children if c.data.tags["rayvit.trial"] == "baseline")
+    assert baseline.data.tags["precision"] == "fp32" and baseline.data.params["optim.impl"] == "loop"
+    assert parent.data.metrics["baseline_val_accuracy"] == pytest.approx(baseline.data.metrics["val_accuracy"])
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"search_trials.parquet", "search_trials.txt", "accuracy_vs_throughput.png",
+            "best_config.yaml"} <= artifacts
+
+    # The best config is the best feasible trial (or the baseline) and loads as a config.
+    best = load_config(best_path)
+    feasible = [c for c in children if c.data.tags["feasible"] == "true"]
+    top = max(feasible, key=lambda c: c.data.metrics["tflops_per_chip"])
+    assert parent.data.tags["best_trial"] == top.data.tags["rayvit.trial"]
+    assert best.precision.mode == top.data.tags["precision"].split("-")[0]
+    assert best.train.steps == 40 and best.search.space == {}
+
+    # ... and experiments/scaling.py accepts it.
+    proc = subprocess.run([sys.executable, "experiments/scaling.py", "--dry-run", "--config", str(best_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "scaling sweep" in proc.stdout and "ddp/w1" in proc.stdout
+
+
+# -- ASHA: early-stopped trials must not starve later ones ------------------------------------------
+
+def test_asha_stopped_trials_release_their_workers(local_ray):
+    # SGD at this learning rate learns far slower than Adam(W): ASHA stops it at its one rung (step 10;
+    # factor 5 puts the next rung past the budget), while adam, after it, keeps up with adamw and must
+    # get the workers' CPUs the stopped trial was holding.
+    cfg = search_cfg(**{"search.space": {"optim.name": ["adamw", "sgd", "adam"]},
+                        "search.baseline": {"precision.mode": "fp32"}, "search.asha": True,
+                        "search.asha_grace_steps": 10, "search.asha_reduction_factor": 5,
+                        "search.max_accuracy_drop": 1.0, "search.name": "asha"})
+    report = run_search(cfg, out=lambda line: None)
+    by_name = {o.overrides["optim.name"]: o for o in report.outcomes}
+    assert by_name["sgd"].status == "stopped", by_name["sgd"].verdict.reason
+    assert by_name["sgd"].verdict.reason.startswith("stopped early by ASHA at step")
+    # The trial after the stopped one ran its whole budget: nothing starved, nothing hung.
+    assert by_name["adam"].status == "done" and by_name["adam"].result is not None
+    assert by_name["adamw"].status == "done"
+    assert not report.errors
+    # With the dashboard off, Ray Train's cleaner cannot free the stopped trial's group: rayvit did.
+    assert report.released_placement_groups >= 1
+    leftover = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+    assert leftover == []
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(by_name["sgd"].run_id)
+    assert run.info.status == "KILLED" and run.data.tags["feasible"] == "false"
+    assert json.loads(client.get_run(report.parent_run_id).data.tags["space"]) == {"optim.name": ["adamw", "sgd", "adam"]}
