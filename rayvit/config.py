@@ -178,15 +178,22 @@ class SearchConfig:
     # Dotted config key -> candidate values, e.g. {"precision.mode": ["amp", "pure"]}.
     space: dict[str, list[Any]] = field(default_factory=dict)
     algorithm: Literal["grid", "optuna"] = "grid"
+    # optuna: trials to sample (grid runs every combination once and ignores this).
     num_samples: int = 8
-    # The reference trial: overrides applied to the base config (fp32, base image size, baseline optim).
-    baseline: dict[str, Any] = field(default_factory=lambda: {"precision.mode": "fp32"})
+    # The reference trial: overrides applied to the base config (fp32, base image size, and the study's
+    # baseline optimizer: one kernel per tensor, no multi-tensor apply).
+    baseline: dict[str, Any] = field(default_factory=lambda: {"precision.mode": "fp32", "optim.impl": "loop"})
     # Largest allowed absolute drop in validation accuracy (0.02 = two accuracy points).
     max_accuracy_drop: float = 0.02
     objective: Literal["tflops_per_chip", "images_per_sec", "time_to_accuracy"] = "tflops_per_chip"
     # time_to_accuracy: the validation accuracy a trial must reach.
     target_accuracy: float = 0.9
+    # ASHA early stopping on the workers' training loss: rungs at asha_grace_steps x reduction_factor^k
+    # optimizer steps (0 = a quarter of train.steps).
     asha: bool = False
+    asha_grace_steps: int = 0
+    asha_reduction_factor: float = 2.0
+    # 0 = as many trials at once as the cluster has room for (each trial's workers need their own CPUs/GPUs).
     max_concurrent_trials: int = 0
 
 
@@ -437,6 +444,9 @@ def validate(cfg: Config) -> None:
     _check(q.max_accuracy_drop >= 0, f"search.max_accuracy_drop={q.max_accuracy_drop} must be >= 0")
     _check(q.num_samples >= 1, "search.num_samples must be at least 1")
     _check(q.max_concurrent_trials >= 0, "search.max_concurrent_trials must be >= 0")
+    _check(q.asha_grace_steps >= 0, "search.asha_grace_steps must be >= 0")
+    _check(q.asha_reduction_factor > 1, f"search.asha_reduction_factor={q.asha_reduction_factor} must be > 1")
+    _check(0 < q.target_accuracy <= 1, f"search.target_accuracy={q.target_accuracy} must be in (0, 1]")
 
     _check(0 <= t.fail_rank < p.num_workers,
            f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers})")

@@ -149,3 +149,47 @@ def _series_order(rows: Iterable[Row]) -> list[str]:
             seen.append(r["series"])
     # DDP first so it is drawn beneath and listed first in the legend.
     return sorted(seen, key=lambda s: (s != "ddp", seen.index(s)))
+
+
+def search_figure(rows: Iterable[Row], path: str | os.PathLike, *, objective: str, baseline_accuracy: float,
+                  max_accuracy_drop: float, best: Optional[str] = None, title: Optional[str] = None) -> Path:
+    """A Tune search: validation accuracy against the objective per trial, the constraint line, the best.
+
+    Feasible trials are filled dots, infeasible ones hollow; the dashed line is the lowest accuracy
+    allowed (baseline minus ``max_accuracy_drop``); the star is the best feasible trial. Trials without
+    both figures (diverged, stopped early) are counted in the legend.
+    """
+    rows = list(rows)
+    drawn = [r for r in rows if _finite(r.get("objective")) is not None and _finite(r.get("val_accuracy")) is not None]
+    figure, (axes,) = new_figure(1, height=4.6, width=8.0)
+    for feasible, style in ((True, dict(color="#1f77b4")), (False, dict(facecolors="none", edgecolors="#d62728"))):
+        mine = [r for r in drawn if bool(r.get("feasible")) == feasible and r.get("trial") != "baseline"]
+        if mine:
+            axes.scatter([r["objective"] for r in mine], [r["val_accuracy"] for r in mine], s=40, zorder=3,
+                         label="feasible" if feasible else "infeasible", **style)
+        for r in mine:
+            axes.annotate(f"{r['trial']}: {r.get('setting', '')}", (r["objective"], r["val_accuracy"]),
+                          textcoords="offset points", xytext=(4, 3), fontsize=6, color="#444444")
+    base = next((r for r in drawn if r.get("trial") == "baseline"), None)
+    if base is not None:
+        axes.scatter([base["objective"]], [base["val_accuracy"]], marker="s", s=50, color="#333333", zorder=4,
+                     label=f"baseline ({base.get('setting', '')})")
+    floor = baseline_accuracy - max_accuracy_drop
+    axes.axhline(floor, color="#d62728", linestyle="--", linewidth=1,
+                 label=f"constraint: accuracy ≥ {floor:.1%} (baseline − {max_accuracy_drop * 100:.1f} pts)")
+    chosen = next((r for r in drawn if r.get("trial") == best), None)
+    if chosen is not None:
+        axes.scatter([chosen["objective"]], [chosen["val_accuracy"]], marker="*", s=260, color="#ffbf00",
+                     edgecolors="#333333", zorder=5, label=f"best feasible: {chosen['trial']}")
+    missing = [r for r in rows if r not in drawn]
+    if missing:
+        axes.plot([], [], " ", label=f"not drawn (no figures): {', '.join(str(r.get('trial')) for r in missing)}")
+    labels = {"tflops_per_chip": "TFLOPS per chip", "images_per_sec": "images/s (all chips)",
+              "time_to_accuracy": "time to target accuracy, s (lower is better)"}
+    axes.set_xlabel(labels.get(objective, objective))
+    axes.set_ylabel("validation accuracy")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, loc="best")
+    axes.margins(x=0.15, y=0.15)
+    # Trials vary precision and image size by design: the caption lists every value seen.
+    return save(figure, path, rows, title=title or f"Validation accuracy against {objective}")
