@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

@@ -168,6 +168,7 @@ def default_sweep(store):
     return proc, MlflowClient(env["MLFLOW_TRACKING_URI"])
 
 
+@pytest.mark.slow
 def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store):
     proc, _ = default_sweep
     out = proc.stdout
@@ -178,6 +179,7 @@ def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store
     assert f"mlflow ui --backend-store-uri sqlite:///{store[0]}/mlflow.db" in out
 
 
+@pytest.mark.slow
 def test_default_sweep_store(default_sweep, tmp_path):
     _, client = default_sweep
     parent = _parent(client, "cpu_default", "default")  # experiment named after the config file
@@ -221,6 +223,7 @@ def test_default_sweep_store(default_sweep, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(store):
     root, env = store
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
@@ -256,6 +259,7 @@ def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(store):
     assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "tflops_per_chip/ddp")) == [1, 2]
 
 
+@pytest.mark.slow
 def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(store):
     root, env = store
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])

@@ -201,3 +201,46 @@ def test_ladder_rows_and_figure(tmp_path):
     assert "1.80x" in format_table(rows, "ladder")
     png = plots.ladder_figure(rows, tmp_path / "ladder.png")
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+
+
+def test_sweep_records_through_a_tracking_server(tmp_path):
+    """The cluster setup: an ``mlflow server`` on the head, drivers logging over HTTP."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    server = subprocess.Popen(
+        [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "arts")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(uri + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(0.5)
+        tracking.check_reachable(uri)
+        t = tracking.SweepTracker(uri, "over-http", "s1")
+        parent = t.start(params={"model.name": "custom"}, tags={}, config_yaml="a: 1\n")
+        child = t.start_point("ddp/w2", "ddp/w2", "h", {"parallel.strategy": "ddp"}, {"strategy": "ddp"})
+        t.finish_point(child, make_result("ddp", 2, 0.4, 80.0), step=2)
+        t.log_metrics(parent, {"tflops_per_chip/ddp": 0.4}, step=2)
+        t.end("FINISHED")
+        again = tracking.SweepTracker(uri, "over-http", "s1")
+        assert again.find_parent() == parent
+        (run_id, result, _), = again.completed().values()
+        assert run_id == child and result.metrics["tflops_per_chip"] == 0.4
+        assert (tmp_path / "arts").exists()  # artifacts went through the server, not to this directory
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
