@@ -167,9 +167,10 @@ def search_figure(rows: Iterable[Row], path: str | os.PathLike, *, objective: st
         if mine:
             axes.scatter([r["objective"] for r in mine], [r["val_accuracy"] for r in mine], s=40, zorder=3,
                          label="feasible" if feasible else "infeasible", **style)
-        for r in mine:
-            axes.annotate(f"{r['trial']}: {r.get('setting', '')}", (r["objective"], r["val_accuracy"]),
-                          textcoords="offset points", xytext=(4, 3), fontsize=6, color="#444444")
+        # Trial ids only (search_trials.txt maps them to settings), staggered: close points are common.
+        for i, r in enumerate(sorted(mine, key=lambda r: (r["val_accuracy"], r["objective"]))):
+            axes.annotate(str(r["trial"]), (r["objective"], r["val_accuracy"]), textcoords="offset points",
+                          xytext=(5, (-10, 2, 14)[i % 3]), fontsize=7, color="#444444")
     base = next((r for r in drawn if r.get("trial") == "baseline"), None)
     if base is not None:
         axes.scatter([base["objective"]], [base["val_accuracy"]], marker="s", s=50, color="#333333", zorder=4,
