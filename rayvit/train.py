@@ -126,8 +126,10 @@ class Session:
         self.scheduler.step()
 
     def clear_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+        # ShardedDDP reduces gradients through bucket views of .grad: they must be zeroed, never freed.
+        set_to_none = self.cfg.parallel.strategy != "fairscale_oss"
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.model.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict]:
