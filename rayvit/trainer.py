@@ -112,6 +112,13 @@ def check_cluster_fits(cfgs: list[Config]) -> None:
                 f"{cluster['CPU']:g} CPUs and {cluster['GPU']:g} GPUs in all, room for {fitting_workers} "
                 f"such workers. Lower parallel.num_workers / sweep.worker_counts or "
                 f"parallel.cpus_per_worker, or add nodes (autoscaling clusters: RAYVIT_SKIP_RESOURCE_CHECK=1)")
+        if cfg.data.name == "parquet" and cluster["CPU"] - resources_for(cfg)["CPU"] < 1:
+            # Ray Data reads and decodes in tasks of its own: with every CPU held by a training worker
+            # they never get scheduled and the workers wait forever for their first batch.
+            raise ClusterTooSmall(
+                f"data.name=parquet streams through Ray Data, which needs at least one CPU beside the "
+                f"{p.num_workers} training workers x {p.cpus_per_worker} CPU; the cluster has "
+                f"{cluster['CPU']:g} CPUs. Use fewer workers or CPUs per worker, or add a node")
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
