@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 import traceback
@@ -391,32 +392,35 @@ class _PlacementGroupReleaser(_tune_callback_base()):
 # Optuna with the accuracy constraint given to the sampler
 
 
-def _optuna_searcher(cfg: Config, metric: str, mode: str):
-    """Optuna TPE whose sampler sees the accuracy constraint as a constraint, not as part of the objective.
+from ray.tune.search.optuna import OptunaSearch as _OptunaSearch  # noqa: E402 - heavy: kept near its use
 
-    Ray's ``OptunaSearch`` has no constraint hook: the subclass stores each finished trial's
-    ``accuracy_excess`` as an Optuna user attribute before ``tell``, where TPE's ``constraints_func``
-    reads it (<= 0 feasible).
+
+class ConstrainedOptunaSearch(_OptunaSearch):
+    """Ray's ``OptunaSearch`` that hands each trial's accuracy excess to the sampler as a constraint.
+
+    Ray's searcher has no constraint hook: each finished trial's ``accuracy_excess`` is set with Optuna's
+    ``Trial.set_constraint`` before ``tell`` (<= 0 feasible); TPE then ranks infeasible trials by how far
+    they miss, apart from the objective. A trial without the figure (diverged, stopped) gets none and is
+    told as failed or pruned. Module level, because Tune pickles its searcher into the experiment state.
     """
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        # Workers' intermediate reports carry no objective (only loss); Optuna prunes nothing here.
+        return
+
+    def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
+        ot_trial = self._ot_trials.get(trial_id)
+        if ot_trial is not None and result and EXCESS_KEY in result:
+            ot_trial.set_constraint(EXCESS_KEY, float(result[EXCESS_KEY]))
+        super().on_trial_complete(trial_id, result, error)
+
+
+def _optuna_searcher(cfg: Config, metric: str, mode: str) -> ConstrainedOptunaSearch:
+    """Optuna TPE whose sampler sees the accuracy constraint as a constraint, not part of the objective."""
     import optuna
-    from ray.tune.search.optuna import OptunaSearch
-
-    def constraints(trial: "optuna.trial.FrozenTrial") -> list[float]:
-        return [float(trial.user_attrs.get(EXCESS_KEY, 1.0))]
-
-    class ConstrainedOptunaSearch(OptunaSearch):
-        def on_trial_result(self, trial_id: str, result: dict) -> None:
-            # Workers' intermediate reports carry no objective (only loss); Optuna prunes nothing here.
-            return
-
-        def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
-            ot_trial = self._ot_trials.get(trial_id)
-            if ot_trial is not None and result and EXCESS_KEY in result:
-                ot_trial.set_user_attr(EXCESS_KEY, float(result[EXCESS_KEY]))
-            super().on_trial_complete(trial_id, result, error)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=cfg.train.seed, constraints_func=constraints,
+    sampler = optuna.samplers.TPESampler(seed=cfg.train.seed,
                                          n_startup_trials=max(2, min(5, cfg.search.num_samples // 2)))
     return ConstrainedOptunaSearch(metric=metric, mode=mode, sampler=sampler)
 
@@ -658,6 +662,9 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
         else:
             param_space = {k: tune.choice(v) for k, v in plan.space.items()}
             search_alg, samples = _optuna_searcher(cfg, s.objective, mode), s.num_samples
+            # The workers' intermediate reports carry loss, not the objective (it exists only once the
+            # run is measured); Tune would otherwise reject them. Read at each result, in this process.
+            os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
         scheduler = None
         if s.asha:
             from ray.tune.schedulers import ASHAScheduler

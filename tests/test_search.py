@@ -237,3 +237,20 @@ def test_asha_stopped_trials_release_their_workers(local_ray):
     run = client.get_run(by_name["sgd"].run_id)
     assert run.info.status == "KILLED" and run.data.tags["feasible"] == "false"
     assert json.loads(client.get_run(report.parent_run_id).data.tags["space"]) == {"optim.name": ["adamw", "sgd", "adam"]}
+
+
+def test_optuna_sampler_gets_the_accuracy_constraint_not_a_folded_objective():
+    from ray import tune
+
+    from rayvit.tune import EXCESS_KEY, _optuna_searcher
+
+    cfg = search_cfg(**{"search.algorithm": "optuna"})
+    searcher = _optuna_searcher(cfg, "tflops_per_chip", "max")
+    assert searcher.set_search_properties(None, None, {"precision.mode": tune.choice(["amp", "pure"])})
+    for trial_id, excess in (("a", 0.03), ("b", -0.01)):
+        assert searcher.suggest(trial_id)["precision.mode"] in ("amp", "pure")
+        searcher.on_trial_result(trial_id, {"loss": 2.0, "step": 10})     # workers' reports: no objective
+        searcher.on_trial_complete(trial_id, {"tflops_per_chip": 0.02, EXCESS_KEY: excess})
+    first, second = searcher._ot_study.trials
+    assert first.values == [0.02] and first.constraints == {EXCESS_KEY: 0.03}     # objective untouched
+    assert second.constraints == {EXCESS_KEY: -0.01}
