@@ -56,12 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayvit.config import ConfigError, load_config
     from rayvit.sweep import describe_plan, eprint, plan, print_summary, run_sweep
     from rayvit.tracking import TrackingError
-
-    try:
-        from rayvit.trainer import ClusterTooSmall
-    except ImportError as e:
-        eprint(f"error: rayvit.trainer is not importable: {e}")
-        return 2
+    from rayvit.trainer import ClusterTooSmall
 
     overrides = list(args.overrides) + ([f"sweep.name={args.name}"] if args.name else [])
     try:

@@ -68,12 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     from rayvit.sweep import eprint
     from rayvit.tracking import TrackingError
 
-    try:
-        from rayvit.trainer import ClusterTooSmall
-        from rayvit.tune import BaselineFailed, plan_search, print_summary, run_search
-    except ImportError as e:
-        eprint(f"error: rayvit is not importable: {e}")
-        return 2
+    from rayvit.trainer import ClusterTooSmall
+    from rayvit.tune import BaselineFailed, plan_search, print_summary, run_search
 
     overrides = list(args.overrides) + ([f"search.name={args.name}"] if args.name else [])
     try:

@@ -138,6 +138,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         if session.step_times:
             window = session.step_times[-t.report_every:]
             metrics["images_per_sec_per_chip"] = t.batch_size * len(window) / sum(window)
+        # A single batch's loss is noisy; schedulers such as ASHA compare trials on the window's mean.
+        recent = session.history[-t.report_every:]
+        metrics["loss_mean"] = sum(h["loss"] for h in recent) / len(recent)
+        if session.evals:
+            metrics["val_accuracy"] = session.evals[-1]["val_accuracy"]
         if t.checkpoint_every and session.step % t.checkpoint_every == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 session.save_checkpoint(tmp)

@@ -282,7 +282,9 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search_name
     s = cfg.search
     report: dict[str, Any] = {k: float(v) for k, v in result.metrics.items()
                               if isinstance(v, (int, float)) and math.isfinite(v)}
+    recent = result.history[-cfg.train.report_every:] or [{"loss": result.metrics["final_loss"]}]
     report.update({STATUS_KEY: "done", "step": cfg.train.steps, "loss": result.metrics["final_loss"],
+                   "loss_mean": sum(h["loss"] for h in recent) / len(recent),
                    EXCESS_KEY: accuracy_excess(result, baseline_accuracy, s.max_accuracy_drop),
                    RESULT_KEY: json.dumps(result.to_dict(), default=str)})
     objective = objective_value(result, s.objective, s.target_accuracy)
