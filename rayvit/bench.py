@@ -87,14 +87,13 @@ def report(variants: list[Variant]) -> list[dict]:
     for v in variants:
         s = v.session
         ips = v.images_per_sec
-        tflops = s.complexity.train_flops_per_image * ips / 1e12
-        peak, source = hardware.peak_flops(s.device, s.precision.compute_dtype)
+        rate = s.rate_figures(ips)
         times = sorted(v.times)
         rows.append({
             "variant": v.label, "images_per_sec": ips, "ratio": ips / base,
             "step_time_p50_s": statistics.median(times),
             "step_time_p90_s": times[min(len(times) - 1, int(0.9 * len(times)))],
-            "tflops": tflops, "mfu": tflops * 1e12 / peak, "peak_source": source,
+            "tflops": rate["tflops_per_chip"], "mfu": rate["mfu"], "peak_source": rate["peak_source"],
             "model_state_mb": s.model_state_bytes() / 2 ** 20,
             "peak_memory_mb": hardware.peak_memory_bytes(s.device) / 2 ** 20,
         })

@@ -81,22 +81,19 @@ def build_scheduler(cfg: OptimConfig, optimizer: torch.optim.Optimizer, total_st
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total_steps))
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's (FSDP2) local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the tensors' local shards."""
+    return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state this rank actually holds (local shards only)."""
     # FairScale OSS keeps this rank's partition in an inner optimizer; its own .state is a view for users.
     optimizer = getattr(optimizer, "optim", optimizer)
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                t = value.to_local() if hasattr(value, "to_local") else value
-                total += t.numel() * t.element_size()
-    return total
-
-
-def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    total = 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        total += t.numel() * t.element_size()
-    return total
+    return tensors_bytes(v for state in optimizer.state.values() for v in state.values()
+                         if isinstance(v, torch.Tensor))

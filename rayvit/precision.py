@@ -22,14 +22,10 @@ import torch
 import torch.distributed as dist
 
 from rayvit.config import ConfigError, PrecisionConfig
+from rayvit.optim import local_shard
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _warned_cpu_fp16 = False
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class LossScaler:
@@ -49,7 +45,7 @@ class LossScaler:
 
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Divide grads by the scale in place; True when every grad on every rank is finite."""
-        local = [_local(g) for g in grads]
+        local = [local_shard(g) for g in grads]
         if local:
             torch._foreach_mul_(local, 1.0 / self.scale)
             norms = torch._foreach_norm(local)

@@ -162,6 +162,13 @@ class Session:
             total += tensors_bytes(self.masters.masters) + tensors_bytes(grads_of(self.masters.masters))
         return total
 
+    def rate_figures(self, images_per_sec_per_chip: float) -> dict:
+        """TFLOPS per chip and MFU for a per-chip image rate: analytic training FLOPs x rate / peak."""
+        peak, source = hardware.peak_flops(self.device, self.precision.compute_dtype)
+        tflops = self.complexity.train_flops_per_image * images_per_sec_per_chip / 1e12
+        return {"tflops_per_chip": tflops, "mfu": tflops * 1e12 / peak, "peak_tflops": peak / 1e12,
+                "peak_source": source}
+
     def summary(self, wall_time_s: float) -> RunResult:
         """Figures aggregated over ranks (the slowest rank sets the pace), with their conditions."""
         times = torch.tensor(self.step_times or [float("nan")], dtype=torch.float64)
@@ -176,23 +183,21 @@ class Session:
         batch = self.cfg.train.batch_size
         per_chip = batch * len(self.step_times) / stats[0].item() if self.step_times else float("nan")
         global_rate = per_chip * self.world_size
-        flops = self.complexity.train_flops_per_image
-        peak, peak_source = hardware.peak_flops(self.device, self.precision.compute_dtype)
-        tflops = flops * per_chip / 1e12
+        rate = self.rate_figures(per_chip)
         final_eval = self.evals[-1] if self.evals else {}
         metrics = {
             "images_per_sec": global_rate,
             "images_per_sec_per_chip": per_chip,
-            "tflops_per_chip": tflops,
-            "mfu": tflops * 1e12 / peak,
+            "tflops_per_chip": rate["tflops_per_chip"],
+            "mfu": rate["mfu"],
             "step_time_p50_s": float(times.quantile(0.5)),
             "step_time_p90_s": float(times.quantile(0.9)),
             "model_state_bytes_per_rank": stats[1].item(),
             "peak_memory_bytes_per_rank": stats[2].item(),
             "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
             "epoch_time_imagenet_h": IMAGENET_TRAIN_IMAGES / global_rate / 3600,
-            "train_flops_per_image": float(flops),
-            "peak_tflops": peak / 1e12,
+            "train_flops_per_image": float(self.complexity.train_flops_per_image),
+            "peak_tflops": rate["peak_tflops"],
             "timed_steps": float(len(self.step_times)),
             "wall_time_s": wall_time_s,
         }
@@ -205,7 +210,7 @@ class Session:
             "image_size": m.image_size, "batch_per_chip": batch,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
             "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
-            "peak_source": peak_source, "data": self.cfg.data.name,
+            "peak_source": rate["peak_source"], "data": self.cfg.data.name,
             **library_versions(),
         }
         return RunResult(metrics=metrics, conditions=conditions, history=list(self.history),
