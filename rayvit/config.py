@@ -72,6 +72,9 @@ class PrecisionConfig:
 
     mode: Literal["fp32", "amp", "mixed", "pure"] = "fp32"
     dtype: Literal["fp16", "bf16"] = "bf16"
+    # ``mixed`` only: keep LayerNorm parameters and computation in fp32 while matmuls run in half (the
+    # study's fastest setting without accuracy loss, pycls ``FSDP.LAYER_NORM_FP32``).
+    layer_norm_fp32: bool = True
 
 
 @dataclass
@@ -150,6 +153,21 @@ class TrackingConfig:
     experiment: Optional[str] = None
 
 
+@dataclass
+class LaunchConfig:
+    """How runs reach a Ray cluster: where their checkpoints go and how long to wait for nodes."""
+
+    # Ray Train's storage for run folders and checkpoints: a folder every node mounts (NFS, EFS, FSx) or
+    # a URI pyarrow's filesystems understand (s3://bucket/prefix, gs://...). Empty: $RAYVIT_HOME/ray_results
+    # on the driver's node, which serves only runs whose workers all share that node.
+    storage: Optional[str] = None
+    # Autoscaling clusters: how long a point may wait for the autoscaler to bring up the nodes it needs.
+    scale_up_timeout_s: float = 1800.0
+    # How long Ray Train gives a placed worker group to start (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S);
+    # empty: that variable if set, else 30 s.
+    worker_start_timeout_s: Optional[float] = None
+
+
 LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
                 "batch_second", "image_256", "full_half")
 STRATEGIES = ("ddp", "fsdp", "fairscale_oss", "fairscale_fsdp")
@@ -206,6 +224,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
 

@@ -32,7 +32,7 @@ from rayvit.results import METRIC_KEYS, RunResult
 
 # Settings that do not change what a point measures, so a rerun with them changed still reuses it:
 # which sweep it belongs to, where it is recorded, and fault injection used to test recovery.
-_UNHASHED_SECTIONS = ("sweep", "tracking", "search")
+_UNHASHED_SECTIONS = ("sweep", "tracking", "search", "launch")
 _UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.max_failures")
 
 # Per point figures derived across points (absent where their reference point is missing).
