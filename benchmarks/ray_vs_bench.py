@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from rayvit.bench import run_group
+from rayvit.worker.bench import run_group
 from rayvit.config import load_config
 from rayvit.trainer import ensure_ray, fit
 

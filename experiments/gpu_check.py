@@ -6,7 +6,7 @@
 
 Checks, each PASS or FAIL with its reason:
   nccl         a one-rank NCCL process group all-reduces a CUDA tensor
-  precision    fp32, and amp / mixed / pure in bf16 and fp16: a small ViT trains (rayvit.train.train),
+  precision    fp32, and amp / mixed / pure in bf16 and fp16: a small ViT trains (rayvit.worker.train),
                its loss is finite and falls
   strategies   fsdp (PyTorch FSDP2), fairscale_fsdp and fairscale_oss at world size 1, same criteria
   flash        torch.backends.cuda.flash_sdp_enabled(); SDPA in bf16 runs with only the flash backend
@@ -127,7 +127,7 @@ def small_config(overrides: dict[str, Any], *, steps: int = 30):
 
 def check_training(device, overrides: dict[str, Any], steps: int = 30) -> str:
     """Train the small ViT with ``overrides``: the loss must be finite and fall."""
-    from rayvit.train import train
+    from rayvit.worker import train
 
     cfg = small_config(overrides, steps=steps)
     result = train(cfg, device=device)
@@ -255,7 +255,7 @@ def run_ladder(cfg, device, *, out: Callable[[str], None]) -> list[dict[str, Any
     import torch
 
     from rayvit.sweep import Outcome, format_table, plan_ladder, rows_of
-    from rayvit.train import train
+    from rayvit.worker import train
 
     outcomes = []
     for point in plan_ladder(cfg):
@@ -287,7 +287,7 @@ def _one_line(error: BaseException) -> str:
 def _free_device_memory(device) -> None:
     import torch
 
-    from rayvit import hardware
+    from rayvit.worker import hardware
 
     gc.collect()
     if device.type == "cuda":
@@ -299,8 +299,8 @@ def _free_device_memory(device) -> None:
 def environment(device) -> dict[str, Any]:
     import torch
 
-    from rayvit import hardware
-    from rayvit.train import library_versions
+    from rayvit.worker import hardware
+    from rayvit.worker.metrics import library_versions
 
     env: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(),
                            "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),

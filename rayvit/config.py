@@ -21,21 +21,13 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
+from rayvit.models.presets import ARCH_KEYS, MODEL_PRESETS
+
 
 class ConfigError(ValueError):
     """A config key, value or combination of values that rayvit cannot run."""
 
 
-# Standard ViT sizes (Dosovitskiy et al. 2021; "Ti" from DeiT): width, depth, heads, MLP width, patch.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "vit_ti16": dict(hidden_dim=192, depth=12, num_heads=3, mlp_dim=768, patch_size=16),
-    "vit_s16": dict(hidden_dim=384, depth=12, num_heads=6, mlp_dim=1536, patch_size=16),
-    "vit_b16": dict(hidden_dim=768, depth=12, num_heads=12, mlp_dim=3072, patch_size=16),
-    "vit_l16": dict(hidden_dim=1024, depth=24, num_heads=16, mlp_dim=4096, patch_size=16),
-    "vit_h16": dict(hidden_dim=1280, depth=32, num_heads=16, mlp_dim=5120, patch_size=16),
-    "vit_h14": dict(hidden_dim=1280, depth=32, num_heads=16, mlp_dim=5120, patch_size=14),
-}
-_ARCH_KEYS = ("hidden_dim", "depth", "num_heads", "mlp_dim", "patch_size")
 
 
 @dataclass
@@ -385,7 +377,7 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     if m.name != "custom":
         preset = MODEL_PRESETS[m.name]
-        for key in _ARCH_KEYS:
+        for key in ARCH_KEYS:
             given = getattr(m, key)
             default = getattr(ModelConfig, key)
             if given not in (None, default, preset[key]):
@@ -393,7 +385,7 @@ def validate(cfg: Config) -> None:
                     f"model.{key}={given} conflicts with model.name={m.name} ({key}={preset[key]}); "
                     f"use model.name=custom to set the architecture yourself")
             setattr(m, key, preset[key])
-    for key in _ARCH_KEYS:
+    for key in ARCH_KEYS:
         _check(getattr(m, key) is not None and getattr(m, key) > 0,
                f"model.{key} must be a positive integer for model.name=custom")
     _check(m.image_size > 0, f"model.image_size={m.image_size} must be positive")
@@ -433,6 +425,11 @@ def validate(cfg: Config) -> None:
             "parallel.strategy=fairscale_fsdp needs CUDA GPUs (FairScale's FSDP uses CUDA streams and "
             "fails on CPU); set parallel.use_gpu=true on a GPU cluster, or use parallel.strategy=fsdp "
             "(PyTorch FSDP2), which runs on CPU too")
+    if p.strategy == "fairscale_oss" and cfg.precision.mode == "mixed":
+        raise ConfigError(
+            "precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
+            "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
+            "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
 
     d = cfg.data
     if d.name == "parquet":

@@ -1,4 +1,4 @@
-"""The Ray layer: run ``rayvit.train`` on Ray Train workers.
+"""The Ray layer: run ``rayvit.worker.train`` on Ray Train workers.
 
 Three entry points, smallest first:
 
@@ -33,7 +33,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict
 from rayvit.results import RunResult
-from rayvit.train import Session, train
+from rayvit.worker import Session, train
+from rayvit.worker.metrics import images_per_sec
 
 __all__ = ["train_loop_per_worker", "build_trainer", "fit", "ensure_ray", "resources_for",
            "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path"]
@@ -137,7 +138,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         metrics = {**metrics, "restarts": session.restarts}
         if session.step_times:
             window = session.step_times[-t.report_every:]
-            metrics["images_per_sec_per_chip"] = t.batch_size * len(window) / sum(window)
+            metrics["images_per_sec_per_chip"] = images_per_sec(t.batch_size, len(window), sum(window))
         # A single batch's loss is noisy; schedulers such as ASHA compare trials on the window's mean.
         recent = session.history[-t.report_every:]
         metrics["loss_mean"] = sum(h["loss"] for h in recent) / len(recent)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from rayvit.config import Config, ConfigError, from_dict
 from rayvit.results import RunResult
-from rayvit.train import DivergedError
+from rayvit.worker import DivergedError
 
 logger = logging.getLogger(__name__)
 

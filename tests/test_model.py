@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rayvit.complexity import vit_complexity
+from rayvit.models import vit_complexity
 from rayvit.config import load_config
 from rayvit.models import build_model
 

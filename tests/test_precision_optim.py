@@ -5,11 +5,12 @@ import warnings
 import pytest
 import torch
 
-from rayvit import hardware, precision
+from rayvit.worker import hardware, precision
 from rayvit.config import ConfigError, load_config
 from rayvit.models import build_model
-from rayvit.optim import build_optimizer, lr_factor, param_groups
-from rayvit.train import Session, train
+from rayvit.worker.optim import build_optimizer, lr_factor, param_groups
+from rayvit.worker import Session, train
+from rayvit.worker.strategies import strategy_class
 
 TINY = ["train.batch_size=16", "train.steps=30", "train.warmup_steps=2", "optim.lr=2e-3"]
 
@@ -53,10 +54,12 @@ def test_level_dtypes():
         mixed.close()
     pure = precision.Precision(load_config(overrides=["precision.mode=pure"]).precision, cpu)
     assert pure.param_dtype == torch.bfloat16 and not pure.uses_master_weights and pure.scaler is None
-    fsdp_mixed = precision.Precision(cfg.precision, cpu, "fsdp")
-    assert fsdp_mixed.param_dtype == torch.float32 and fsdp_mixed.fsdp_policy() is not None
+    fsdp = strategy_class("fsdp")
+    fsdp_mixed = precision.Precision(cfg.precision, cpu, fsdp.owns_mixed_precision)
+    assert fsdp_mixed.param_dtype == torch.float32
+    assert fsdp(cfg, fsdp_mixed, cpu).mixed_precision_policy().param_dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="fairscale_oss"):
-        precision.Precision(cfg.precision, cpu, "fairscale_oss")
+        load_config(overrides=["precision.mode=mixed", "parallel.strategy=fairscale_oss"])
 
 
 def test_loss_scaler_skips_overflow_and_backs_off():

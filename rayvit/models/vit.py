@@ -8,12 +8,14 @@ state-dict keys), so a checkpoint trained in one layout loads in the other.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayvit.config import ModelConfig
+if TYPE_CHECKING:
+    from rayvit.config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -1,29 +1,28 @@
 """One worker's training loop: build, parallelise, step, time, evaluate. Knows nothing of Ray.
 
 ``Session`` holds everything one worker builds for a config and exposes one training step, so the same
-code serves a full run (:func:`train`), the alternating single-process benchmark (``rayvit.bench``) and
-the Ray layer (``rayvit.trainer``), which only adds reporting and checkpoint transport through hooks.
+code serves a full run (:func:`train`), the alternating single-process benchmark (``rayvit bench``) and
+the Ray layer (``rayvit.launch``), which only adds reporting and checkpoint transport through hooks.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import rayvit
-from rayvit import hardware, parallel
-from rayvit.complexity import vit_complexity
 from rayvit.config import Config
 from rayvit.data import build_data
-from rayvit.models import build_model
-from rayvit.optim import build_scheduler, state_bytes, tensors_bytes
-from rayvit.precision import Precision, grads_of
+from rayvit.models import build_model, vit_complexity
 from rayvit.results import RunResult
+from rayvit.worker import checkpoint, hardware, metrics
+from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
+from rayvit.worker.precision import Precision, grads_of
+from rayvit.worker.strategies import ensure_process_group, rank, strategy_class, world_size
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -54,19 +53,18 @@ class Session:
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash.
             torch.set_num_threads(cfg.parallel.cpus_per_worker)
-        self.owns_process_group = parallel.ensure_process_group(self.device)
-        self.rank, self.world_size = parallel.rank(), parallel.world_size()
+        self.owns_process_group = ensure_process_group(self.device)
+        self.rank, self.world_size = rank(), world_size()
 
         # Same seed on every rank: identical initial weights before DDP/FSDP take over.
         torch.manual_seed(cfg.train.seed)
-        self.precision = Precision(cfg.precision, self.device, cfg.parallel.strategy)
+        strategy_cls = strategy_class(cfg.parallel.strategy)
+        self.precision = Precision(cfg.precision, self.device, strategy_cls.owns_mixed_precision)
+        self.strategy = strategy_cls(cfg, self.precision, self.device)
         model = self.precision.prepare_model(build_model(cfg.model).to(self.device))
-        self.model, self.optimizer, self.masters = parallel.parallelize(model, cfg, self.precision, self.device)
+        self.model, self.optimizer = self.strategy.parallelize(model)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.steps)
-        if cfg.train.compile:
-            self.forward = torch.compile(self.model)
-        else:
-            self.forward = self.model
+        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
         self.data = build_data(cfg, self.device, rank=self.rank, world_size=self.world_size,
                                dataset_shards=dataset_shards)
         self.complexity = vit_complexity(cfg.model)
@@ -78,6 +76,11 @@ class Session:
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
         self.steps_this_attempt = 0
         self.skipped_steps = 0
+
+    @property
+    def masters(self):
+        """The fp32 master copy of half-precision weights, where the strategy keeps one (else None)."""
+        return self.strategy.masters
 
     # ---------------------------------------------------------------------------------------------
     def train_step(self) -> float:
@@ -108,28 +111,26 @@ class Session:
         return loss_value
 
     def _apply_gradients(self) -> None:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if self.masters is not None:
-            self.masters.grads_to_masters()
+        masters = self.masters
+        if masters is not None:
+            masters.grads_to_masters()
         finite = True
         if self.precision.scaler is not None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
             finite = self.precision.scaler.unscale_and_check(grads_of(params))
         if finite:
             if self.cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+                self.strategy.clip_grad_norm_(self.model, self.optimizer, self.cfg.optim.grad_clip)
             self.optimizer.step()
-            if self.masters is not None:
-                self.masters.masters_to_model()
+            if masters is not None:
+                masters.masters_to_model()
         else:
             self.skipped_steps += 1                # fp16 overflow: skip, the scaler has backed off
         # Gradients stay allocated until the next step's clear_grads() so model-state bytes count them.
         self.scheduler.step()
 
     def clear_grads(self) -> None:
-        # ShardedDDP reduces gradients through bucket views of .grad: they must be zeroed, never freed.
-        set_to_none = self.cfg.parallel.strategy != "fairscale_oss"
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        self.model.zero_grad(set_to_none=set_to_none)
+        self.strategy.zero_grad(self.model, self.optimizer)
 
     @torch.no_grad()
     def evaluate(self) -> Optional[dict]:
@@ -163,11 +164,9 @@ class Session:
         return total
 
     def rate_figures(self, images_per_sec_per_chip: float) -> dict:
-        """TFLOPS per chip and MFU for a per-chip image rate: analytic training FLOPs x rate / peak."""
-        peak, source = hardware.peak_flops(self.device, self.precision.compute_dtype)
-        tflops = self.complexity.train_flops_per_image * images_per_sec_per_chip / 1e12
-        return {"tflops_per_chip": tflops, "mfu": tflops * 1e12 / peak, "peak_tflops": peak / 1e12,
-                "peak_source": source}
+        """TFLOPS per chip and MFU at a per-chip image rate, for this model and precision."""
+        return metrics.rate_figures(self.complexity.train_flops_per_image, images_per_sec_per_chip,
+                                    self.device, self.precision.compute_dtype)
 
     def summary(self, wall_time_s: float) -> RunResult:
         """Figures aggregated over ranks (the slowest rank sets the pace), with their conditions."""
@@ -180,18 +179,18 @@ class Session:
             dist.all_reduce(times_d, op=dist.ReduceOp.MAX)
             dist.all_reduce(stats_d, op=dist.ReduceOp.MAX)
             times, stats = times_d.cpu(), stats_d.cpu()
-        batch = self.cfg.train.batch_size
-        per_chip = batch * len(self.step_times) / stats[0].item() if self.step_times else float("nan")
+        slowest = times.tolist() if self.step_times else []
+        # The slowest rank's total time over the window sets the pace.
+        per_chip = metrics.images_per_sec(self.cfg.train.batch_size, len(self.step_times), stats[0].item())
         global_rate = per_chip * self.world_size
         rate = self.rate_figures(per_chip)
         final_eval = self.evals[-1] if self.evals else {}
-        metrics = {
+        figures = {
             "images_per_sec": global_rate,
             "images_per_sec_per_chip": per_chip,
             "tflops_per_chip": rate["tflops_per_chip"],
             "mfu": rate["mfu"],
-            "step_time_p50_s": float(times.quantile(0.5)),
-            "step_time_p90_s": float(times.quantile(0.9)),
+            **metrics.step_time_percentiles(slowest),
             "model_state_bytes_per_rank": stats[1].item(),
             "peak_memory_bytes_per_rank": stats[2].item(),
             "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
@@ -202,32 +201,46 @@ class Session:
             "wall_time_s": wall_time_s,
         }
         if "val_accuracy" in final_eval:
-            metrics["val_accuracy"] = final_eval["val_accuracy"]
+            figures["val_accuracy"] = final_eval["val_accuracy"]
+        return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
+                         history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
+                         restarts=self.restarts)
+
+    def conditions(self, peak_source: str) -> dict[str, Any]:
+        """What every figure of this run is stated with."""
         m = self.cfg.model
-        conditions = {
-            "model": m.name if m.name != "custom" else
-            f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}",
-            "image_size": m.image_size, "batch_per_chip": batch,
+        return {
+            "model": m.name if m.name != "custom" else f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}",
+            "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
             "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
-            "peak_source": rate["peak_source"], "data": self.cfg.data.name,
-            **library_versions(),
+            "peak_source": peak_source, "data": self.cfg.data.name, **metrics.library_versions(),
         }
-        return RunResult(metrics=metrics, conditions=conditions, history=list(self.history),
-                         evals=list(self.evals), config=self.cfg.to_dict(), restarts=self.restarts)
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        """Write this run's state to ``directory`` (sharded for FSDP, full from rank 0 otherwise)."""
-        from rayvit import checkpoint
-
-        checkpoint.save(self, directory)
+        """Write this run's state to ``directory``: the strategy's model and optimizer, rank 0's progress."""
+        self.strategy.save(directory, self.model, self.optimizer)
+        if self.rank == 0:
+            checkpoint.write_meta(directory, {
+                "step": self.step, "restarts": self.restarts, "history": self.history, "evals": self.evals,
+                "scheduler": self.scheduler.state_dict(), "strategy": self.cfg.parallel.strategy,
+                "loss_scale": self.precision.scaler.scale if self.precision.scaler else None})
 
     def load_checkpoint(self, directory: str) -> None:
-        from rayvit import checkpoint
-
-        checkpoint.load(self, directory)
-        self.restarts += 1
+        """Continue from a checkpoint: its weights, optimizer, schedule, loss scale, steps and history."""
+        meta = checkpoint.read_meta(directory)
+        if meta["strategy"] != self.cfg.parallel.strategy:
+            raise ValueError(f"checkpoint in {directory} was written by strategy {meta['strategy']}, "
+                             f"not {self.cfg.parallel.strategy}")
+        self.strategy.load(directory, self.model, self.optimizer)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        if self.precision.scaler is not None and meta["loss_scale"]:
+            self.precision.scaler.scale = meta["loss_scale"]
+        self.step, self.history, self.evals = meta["step"], meta["history"], meta["evals"]
+        self.restarts = meta["restarts"] + 1
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
         # Continue the data stream where the crashed attempt's checkpoint left it.
         for _ in range(self.step):
             next(self.data.train)
@@ -235,17 +248,6 @@ class Session:
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def library_versions() -> dict[str, str]:
-    versions = {"torch_version": torch.__version__, "rayvit_version": rayvit.__version__}
-    for name in ("ray", "fairscale"):
-        try:
-            module = __import__(name)
-            versions[f"{name}_version"] = module.__version__
-        except ImportError:
-            versions[f"{name}_version"] = "absent"
-    return versions
 
 
 # A hook receives (metrics, session) every ``train.report_every`` steps and at the end; the Ray layer uses

@@ -7,9 +7,10 @@
 | `mixed` | O2        | half                    | fp32 master copy, fp32 state  | yes                 |
 | `pure`  | O3        | half                    | half params, half state       | yes                 |
 
-``mixed`` is the study's "more advanced AMP mode"; ``pure`` is its "full FP16". Under FSDP2 the ``mixed``
-level is FSDP's own mixed-precision policy (sharded fp32 parameters are the master copy, unsharded
-compute parameters are half), so no separate master copy is kept. bf16 needs no loss scaling.
+``mixed`` is the study's "more advanced AMP mode"; ``pure`` is its "full FP16". Under the FSDP
+strategies the ``mixed`` level is FSDP's own mixed-precision policy (sharded fp32 parameters are the
+master copy, unsharded compute parameters are half), so no separate master copy is kept. bf16 needs no
+loss scaling.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from rayvit.config import ConfigError, PrecisionConfig
-from rayvit.optim import local_shard
+from rayvit.config import PrecisionConfig
+from rayvit.worker.optim import local_shard
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _warned_cpu_fp16 = False
@@ -89,17 +90,13 @@ class MasterWeights:
 class Precision:
     """One precision level, resolved for a device and a parallel strategy."""
 
-    def __init__(self, cfg: PrecisionConfig, device: torch.device, strategy: str = "ddp") -> None:
+    def __init__(self, cfg: PrecisionConfig, device: torch.device, owns_mixed_precision: bool = False) -> None:
+        """``owns_mixed_precision``: the parallel strategy applies ``mixed`` itself (FSDP's policies)."""
         self.mode = cfg.mode
         self.dtype_name = cfg.dtype
         self.device = device
         self.half = HALF_DTYPES[cfg.dtype]
-        self.fsdp = strategy in ("fsdp", "fairscale_fsdp")
-        if self.mode == "mixed" and strategy == "fairscale_oss":
-            raise ConfigError(
-                "precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
-                "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
-                "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
+        self.strategy_owns_mixed = owns_mixed_precision
         global _warned_cpu_fp16
         if self.mode != "fp32" and self.half is torch.float16 and device.type == "cpu" and not _warned_cpu_fp16:
             _warned_cpu_fp16 = True
@@ -117,13 +114,13 @@ class Precision:
     @property
     def param_dtype(self) -> torch.dtype:
         """The dtype the model is stored in before it is wrapped (FSDP's mixed policy casts itself)."""
-        if self.mode == "pure" or (self.mode == "mixed" and not self.fsdp):
+        if self.mode == "pure" or (self.mode == "mixed" and not self.strategy_owns_mixed):
             return self.half
         return torch.float32
 
     @property
     def uses_master_weights(self) -> bool:
-        return self.mode == "mixed" and not self.fsdp
+        return self.mode == "mixed" and not self.strategy_owns_mixed
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.to(dtype=self.param_dtype)
@@ -141,15 +138,6 @@ class Precision:
         if self.mode == "pure" and self.half is torch.float16:
             return max(eps, 1e-4)
         return eps
-
-    def fsdp_policy(self, reduce_dtype: str = "fp32"):
-        """FSDP2 ``MixedPrecisionPolicy`` for the ``mixed`` level, else None."""
-        if not (self.fsdp and self.mode == "mixed"):
-            return None
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=self.half,
-                                    reduce_dtype=torch.float32 if reduce_dtype == "fp32" else self.half)
 
     def describe(self) -> str:
         return self.mode if self.mode == "fp32" else f"{self.mode}-{self.dtype_name}"

@@ -9,8 +9,11 @@ counted, attention's two matmuls included; elementwise work (norms, GELU, softma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rayvit.config import ModelConfig
+if TYPE_CHECKING:
+    from rayvit.config import ModelConfig
+
 
 # Training = forward + backward, and backward costs about twice the forward (grad wrt inputs and weights).
 TRAIN_FLOPS_MULTIPLIER = 3

@@ -1,4 +1,4 @@
-"""Single-process training benchmark: ``python -m rayvit.bench [--config F] [key=value ...] [--compare ...]``.
+"""Single-process training benchmark: ``rayvit bench [--config F] [key=value ...] [--compare ...]``.
 
 Synthetic data generated once on the device, warm-up steps excluded, every step timed with device
 synchronisation. ``--compare key=v1,v2`` builds one training session per value and runs them in
@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rayvit import hardware
 from rayvit.config import Config, ConfigError, load_config
-from rayvit.train import Session
+from rayvit.worker import hardware, metrics
+from rayvit.worker.loop import Session
 
 EXAMPLES = """examples:
-  python -m rayvit.bench model.name=vit_s16 model.image_size=224 train.batch_size=8
-  python -m rayvit.bench model.name=vit_s16 model.image_size=224 train.batch_size=8 \\
+  rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8
+  rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8 \\
       --compare optim.impl=loop,foreach --compare precision.mode=fp32,amp
-  python -m rayvit.bench --config experiments/configs/cpu_default.yaml --compare model.layout=batch_first,batch_second
+  rayvit bench --config experiments/configs/cpu_default.yaml --compare model.layout=batch_first,batch_second
 """
 
 
@@ -36,7 +36,8 @@ class Variant:
 
     @property
     def images_per_sec(self) -> float:
-        return self.session.cfg.train.batch_size / statistics.median(self.times)
+        # The median step: robust to the odd step a shared machine slows down.
+        return metrics.images_per_sec(self.session.cfg.train.batch_size, 1, statistics.median(self.times))
 
 
 def parse_compare(spec: str) -> tuple[str, list[str]]:
@@ -88,11 +89,9 @@ def report(variants: list[Variant]) -> list[dict]:
         s = v.session
         ips = v.images_per_sec
         rate = s.rate_figures(ips)
-        times = sorted(v.times)
         rows.append({
             "variant": v.label, "images_per_sec": ips, "ratio": ips / base,
-            "step_time_p50_s": statistics.median(times),
-            "step_time_p90_s": times[min(len(times) - 1, int(0.9 * len(times)))],
+            **metrics.step_time_percentiles(v.times),
             "tflops": rate["tflops_per_chip"], "mfu": rate["mfu"], "peak_source": rate["peak_source"],
             "model_state_mb": s.model_state_bytes() / 2 ** 20,
             "peak_memory_mb": hardware.peak_memory_bytes(s.device) / 2 ** 20,
@@ -113,7 +112,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rayvit.bench", description=__doc__, epilog=EXAMPLES,
+        prog="rayvit bench", description=__doc__, epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     parser.add_argument("--config", help="YAML config file (defaults: a tiny ViT on CPU)")

@@ -1,0 +1,7 @@
+"""One worker's side of training, with no Ray: the loop, precision, optimizers, metrics, checkpoints and
+one object per parallel strategy. ``train(cfg)`` runs a whole run in this process; ``Session`` is one
+worker's state and its training step."""
+
+from rayvit.worker.loop import DivergedError, InjectedFault, Session, train
+
+__all__ = ["DivergedError", "InjectedFault", "Session", "train"]

@@ -1,0 +1,39 @@
+"""FairScale OSS + ShardedDDP: optimizer state sharded over ranks, each gradient reduced to its owner.
+
+Parameters stay replicated. OSS wraps the real optimizer and gives each rank a partition of the
+parameters; ShardedDDP reduces each gradient only to the rank that owns it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rayvit.worker.optim import optimizer_spec, param_groups
+from rayvit.worker.strategies.base import Strategy
+
+
+class FairScaleOSS(Strategy):
+    name = "fairscale_oss"
+
+    def parallelize(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        from fairscale.optim.oss import OSS
+
+        # ShardedDDP needs the optimizer to know which rank owns which gradient: optimizer first.
+        groups = param_groups(model, self.cfg.optim.weight_decay)
+        cls, kwargs = optimizer_spec(self.cfg.optim, [p for g in groups for p in g["params"]],
+                                     eps=self.precision.adam_eps(self.cfg.optim.eps))
+        optimizer = OSS(groups, optim=cls, **kwargs)
+        return ShardedDataParallel(model, optimizer), optimizer
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # ShardedDDP reduces gradients through bucket views of .grad: they must be zeroed, never freed.
+        optimizer.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=False)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
+        optimizer.consolidate_state_dict(recipient_rank=0)   # collective: every rank joins
+        return optimizer.state_dict() if optimizer.rank == 0 else None
