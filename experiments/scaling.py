@@ -1,82 +1,20 @@
-"""Scaling sweeps (every strategy at every worker count, against DDP) and the optimization ladder.
-
-Locally, with no arguments: a local Ray instance runs the CPU default (a tiny ViT at 1 and 2 workers,
-ddp + fsdp + fairscale_oss) in a few minutes. On a cluster:
+"""Scaling sweeps and the optimization ladder: ``rayvit sweep`` as a file, for ``ray job submit``.
 
     ray job submit --working-dir . -- python experiments/scaling.py --config experiments/configs/study_a100.yaml
 
-Results go to MLflow: one experiment per config, a parent run per sweep (curves keyed by chip count,
-scaling/ladder PNGs, results.parquet) and a child run per point. The last lines printed say how to
-browse them. Exit status: 0 if every point finished, 1 if any failed, 2 if nothing could start
-(bad config, unreachable tracking store, cluster too small), 130 when interrupted.
+``python experiments/scaling.py --help`` explains every option.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
+from typing import Optional, Sequence
 
-# Run from a checkout (or a `ray job submit --working-dir` copy) without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "cpu_default.yaml"
+from rayvit.cli import sweep
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="scaling.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
-  python experiments/scaling.py                                  # CPU default sweep
-  python experiments/scaling.py --dry-run                        # the planned points and their resources
-  python experiments/scaling.py --config experiments/configs/ladder_cpu.yaml
-  python experiments/scaling.py --set sweep.worker_counts=1,2 --set train.steps=10 --name quick
-  python experiments/scaling.py --name quick                     # rerun: finished points are reused
-
-tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else sqlite:///~/.rayvit/mlflow.db
-($RAYVIT_HOME moves it). Sweep names are unique per experiment; reusing one resumes that sweep.""")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
-                        help="YAML config (default: experiments/configs/cpu_default.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value, e.g. --set sweep.strategies=ddp,fsdp "
-                             "--set train.steps=10 (repeatable)")
-    parser.add_argument("--name", help="sweep name (the MLflow parent run); an existing name resumes "
-                                       "that sweep. Default: sweep.name, else <mode>-<date-time>")
-    parser.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment, else the "
-                                             "config file's name)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the planned points and the resources each needs, then exit")
-    parser.add_argument("--address", help="Ray cluster to attach to (default: $RAY_ADDRESS, as set by "
-                                          "`ray job submit`; else a local instance)")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from rayvit.config import ConfigError, load_config
-    from rayvit.sweep import describe_plan, eprint, plan, print_summary, run_sweep
-    from rayvit.tracking import TrackingError
-    from rayvit.trainer import ClusterTooSmall
-
-    overrides = list(args.overrides) + ([f"sweep.name={args.name}"] if args.name else [])
-    try:
-        cfg = load_config(args.config, overrides)
-        points = plan(cfg)
-        if args.dry_run:
-            print(f"config: {args.config}")
-            print(describe_plan(cfg, points))
-            return 0
-        experiment = args.experiment or cfg.tracking.experiment or Path(args.config).stem
-        report = run_sweep(cfg, experiment=experiment, address=args.address)
-    except (ConfigError, TrackingError, ClusterTooSmall) as e:
-        eprint(f"error: {e}")
-        return 2
-    except KeyboardInterrupt:
-        eprint("interrupted: the running point and the sweep are marked KILLED; rerun with the same "
-               "--name to resume")
-        return 130
-    print_summary(report)
-    return report.exit_code
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return sweep(sys.argv[1:] if argv is None else argv, prog="scaling.py")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
-"""One typed config tree for every layer of rayvit.
+"""One typed config tree for a run, and the study specifications that sit beside it.
 
-A :class:`Config` is a tree of dataclasses (``model``, ``precision``, ``optim``, ``parallel``, ``data``,
-``train``, ``tracking``, ...). It is loaded from YAML, overridden with ``section.key=value`` strings in the
-style of a command line, validated once, and recorded with every run as a plain dict.
+A :class:`Config` is what one run needs and what is recorded with it: ``model``, ``precision``,
+``optim``, ``parallel``, ``data``, ``train`` and ``launch``. A :class:`Study` adds what to do with runs:
+a ``sweep`` or a ``search`` of them, and where they are ``tracking``-recorded. Both come from one YAML
+file, overridden with ``section.key=value`` strings in the style of a command line; building resolves
+derived values (model presets, the conv stem's default widths) into a new object, then validation only
+checks.
 
 Allowed values are written into the type annotations (``Literal[...]``), so one generic checker covers
 every field and error messages can always say what is allowed.
@@ -17,6 +20,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
@@ -26,6 +30,11 @@ from rayvit.models.presets import ARCH_KEYS, MODEL_PRESETS
 
 class ConfigError(ValueError):
     """A config key, value or combination of values that rayvit cannot run."""
+
+
+def rayvit_home() -> Path:
+    """Where rayvit keeps local results (the MLflow store, Ray Train's runs): ``$RAYVIT_HOME``, else ~/.rayvit."""
+    return Path(os.environ.get("RAYVIT_HOME") or Path.home() / ".rayvit").expanduser().resolve()
 
 
 
@@ -209,16 +218,15 @@ class SearchConfig:
 
 @dataclass
 class Config:
+    """Everything one run needs; recorded with every run."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    sweep: SweepConfig = field(default_factory=SweepConfig)
-    search: SearchConfig = field(default_factory=SearchConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -228,37 +236,109 @@ class Config:
 
     def flatten(self) -> dict[str, Any]:
         """``{"model.name": ..., ...}``: the form used for MLflow params and result tables."""
-        return {f"{section}.{key}": value for section, values in self.to_dict().items()
-                for key, value in values.items()}
+        return _flatten(self.to_dict())
 
     def replace(self, overrides: Iterable[str] | dict[str, Any] = ()) -> "Config":
         """A validated copy with ``section.key`` overrides applied."""
         return from_dict(self.to_dict(), overrides)
 
 
+@dataclass
+class Study:
+    """A run config and what to do with it: a sweep or a search of runs, recorded where ``tracking`` says."""
+
+    run: Config = field(default_factory=Config)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML file's shape: the run's sections, then the study's."""
+        return {**self.run.to_dict(), **{name: dataclasses.asdict(getattr(self, name)) for name in STUDY_SECTIONS}}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flatten(self) -> dict[str, Any]:
+        return _flatten(self.to_dict())
+
+    def replace(self, overrides: Iterable[str] | dict[str, Any] = ()) -> "Study":
+        """A validated copy with ``section.key`` overrides applied to the run or the study sections."""
+        return study_from_dict(self.to_dict(), overrides)
+
+
+RUN_SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
+STUDY_SECTIONS = ("sweep", "search", "tracking")
+
+
+def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, values in tree.items() for key, value in values.items()}
+
+
 # --------------------------------------------------------------------------------------------------
-# Loading, coercion and validation
+# Loading
+
+
+def load_study(path: str | os.PathLike | None = None,
+               overrides: Iterable[str] | dict[str, Any] = ()) -> Study:
+    """Read a YAML file (or the defaults), apply ``section.key=value`` overrides, build and validate."""
+    return study_from_dict(read_yaml(path) if path is not None else {}, overrides)
 
 
 def load_config(path: str | os.PathLike | None = None,
                 overrides: Iterable[str] | dict[str, Any] = ()) -> Config:
-    """Read a YAML config (or the defaults), apply ``section.key=value`` overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
-    return from_dict(data, overrides)
+    """The run config of a YAML file: as :func:`load_study`, whose sweep and search sections are
+    checked too (a typo there is still an error) but not kept."""
+    return load_study(path, overrides).run
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = ()) -> Config:
-    """Build a validated :class:`Config` from nested dicts plus overrides."""
+    """Build a validated run :class:`Config` from nested dicts plus overrides."""
+    data = _with_overrides(data, overrides)
+    study_keys = sorted(set(data) & set(STUDY_SECTIONS))
+    if study_keys:
+        raise ConfigError(f"section {study_keys[0]!r} belongs to a study, not to a run config: use "
+                          "rayvit.config.load_study (or Study.replace) for sweep, search and tracking keys")
+    return _run_config(data)
+
+
+def study_from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = ()) -> Study:
+    """Build a validated :class:`Study` from the YAML file's shape plus overrides."""
+    data = _with_overrides(data, overrides)
+    unknown = sorted(set(data) - set(RUN_SECTIONS) - set(STUDY_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r} in config; allowed: "
+                          f"{', '.join(RUN_SECTIONS + STUDY_SECTIONS)}")
+    study = Study(run=_run_config({k: v for k, v in data.items() if k in RUN_SECTIONS}),
+                  sweep=_build(SweepConfig, data.get("sweep"), "sweep."),
+                  search=_build(SearchConfig, data.get("search"), "search."),
+                  tracking=_build(TrackingConfig, data.get("tracking"), "tracking."))
+    validate_sweep(study.sweep)
+    validate_search(study.search)
+    return study
+
+
+def _run_config(data: dict[str, Any]) -> Config:
+    cfg = _build(Config, data, "")
+    cfg = dataclasses.replace(cfg, model=_resolved_model(cfg.model))
+    validate(cfg)
+    return cfg
+
+
+def _with_overrides(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
     data = copy.deepcopy(data)
     for key, value in _parse_overrides(overrides):
         section, _, name = key.partition(".")
@@ -269,9 +349,7 @@ def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = 
         if not isinstance(data[section], dict):
             raise ConfigError(f"section {section!r} must be a mapping")
         data[section][name] = value
-    cfg = _build(Config, data, "")
-    validate(cfg)
-    return cfg
+    return data
 
 
 def _parse_overrides(overrides: Iterable[str] | dict[str, Any]) -> list[tuple[str, Any]]:
@@ -297,6 +375,10 @@ def _parse_scalar(raw: str) -> Any:
     return value
 
 
+# --------------------------------------------------------------------------------------------------
+# Building: the generic type checker
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
@@ -308,22 +390,16 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if unknown:
         where = prefix.rstrip(".") or "config"
         raise ConfigError(f"unknown key {prefix + unknown[0]!r} in {where}; allowed: {', '.join(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(value, hints[name], prefix + name)
-    return cls(**kwargs)
+    return cls(**{name: _coerce(value, hints[name], prefix + name) for name, value in data.items()})
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
         inner = [a for a in args if a is not type(None)]
-        if value in ("", "none", "None", "null"):
+        if value is None or value in ("", "none", "None", "null"):
             return None
         return _coerce(value, inner[0], key)
     if origin is Literal:
@@ -331,40 +407,73 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, args))}")
         return value
     if origin is list:
-        if not isinstance(value, list):
-            value = [value]
-        return [_coerce(v, args[0] if args else Any, f"{key}[{i}]") for i, v in enumerate(value)]
+        values = value if isinstance(value, list) else [value]     # `--set key=2` for a list of one
+        return [_coerce(v, args[0] if args else Any, f"{key}[{i}]") for i, v in enumerate(values)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
         return {str(k): (_coerce(v, args[1], f"{key}.{k}") if args else v) for k, v in value.items()}
-    if tp is Any:
+    return _SCALARS.get(tp, lambda v, k: v)(value, key)
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ConfigError(f"{key}={value!r} must be a boolean (true/false)")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{key}={value!r} must be an integer")
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} must be an integer") from None
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}={value!r} must be a number") from None
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return str(value)
-    return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+        return value.lower() in ("true", "yes", "1")
+    raise ConfigError(f"{key}={value!r} must be a boolean (true/false)")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value!r} must be an integer") from None
+
+
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} must be a number") from None
+
+
+def _to_str(value: Any, key: str) -> str:
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"{key}={value!r} must be a string")
+    return str(value)
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def _resolved_model(m: ModelConfig) -> ModelConfig:
+    """The model with its preset's architecture and the conv stem's default layers filled in."""
+    if m.name != "custom":
+        preset = MODEL_PRESETS[m.name]
+        for key in ARCH_KEYS:
+            given = getattr(m, key)
+            if given not in (None, getattr(ModelConfig, key), preset[key]):
+                raise ConfigError(
+                    f"model.{key}={given} conflicts with model.name={m.name} ({key}={preset[key]}); "
+                    f"use model.name=custom to set the architecture yourself")
+        m = dataclasses.replace(m, **preset)
+    if m.stem == "conv" and not m.conv_stem_strides and not m.conv_stem_dims and m.patch_size:
+        n = int(math.log2(m.patch_size))
+        _check(2 ** n == m.patch_size,
+               f"model.patch_size={m.patch_size} is not a power of two: set model.conv_stem_strides "
+               "and model.conv_stem_dims for the conv stem")
+        m = dataclasses.replace(m, conv_stem_strides=[2] * n,
+                                conv_stem_dims=[max(8, (m.hidden_dim or 8) >> (n - i)) for i in range(n)])
+    return m
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation: checks only, one function per section
 
 
 def _check(cond: bool, message: str) -> None:
@@ -373,18 +482,16 @@ def _check(cond: bool, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Cross-field checks, run once at load time. Resolves model presets in place."""
-    m = cfg.model
-    if m.name != "custom":
-        preset = MODEL_PRESETS[m.name]
-        for key in ARCH_KEYS:
-            given = getattr(m, key)
-            default = getattr(ModelConfig, key)
-            if given not in (None, default, preset[key]):
-                raise ConfigError(
-                    f"model.{key}={given} conflicts with model.name={m.name} ({key}={preset[key]}); "
-                    f"use model.name=custom to set the architecture yourself")
-            setattr(m, key, preset[key])
+    """Cross-field checks of a run config; raises ConfigError naming the key, the value and the fix."""
+    _validate_model(cfg.model)
+    _validate_optim(cfg.optim)
+    _validate_parallel(cfg)
+    _validate_data(cfg.data)
+    _validate_train(cfg.train, cfg.parallel)
+    _validate_launch(cfg.launch)
+
+
+def _validate_model(m: ModelConfig) -> None:
     for key in ARCH_KEYS:
         _check(getattr(m, key) is not None and getattr(m, key) > 0,
                f"model.{key} must be a positive integer for model.name=custom")
@@ -396,13 +503,6 @@ def validate(cfg: Config) -> None:
     _check(m.num_classes >= 2, f"model.num_classes={m.num_classes} must be at least 2")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
     if m.stem == "conv":
-        if not m.conv_stem_strides and not m.conv_stem_dims:
-            n = int(math.log2(m.patch_size))
-            _check(2 ** n == m.patch_size,
-                   f"model.patch_size={m.patch_size} is not a power of two: set model.conv_stem_strides "
-                   "and model.conv_stem_dims for the conv stem")
-            m.conv_stem_strides = [2] * n
-            m.conv_stem_dims = [max(8, m.hidden_dim >> (n - i)) for i in range(n)]
         _check(len(m.conv_stem_dims) == len(m.conv_stem_strides) and m.conv_stem_dims,
                f"model.conv_stem_dims {m.conv_stem_dims} and model.conv_stem_strides "
                f"{m.conv_stem_strides} must be non-empty lists of equal length")
@@ -411,12 +511,15 @@ def validate(cfg: Config) -> None:
                f"{math.prod(m.conv_stem_strides)}, but must multiply to model.patch_size={m.patch_size}")
         _check(all(d > 0 for d in m.conv_stem_dims), "model.conv_stem_dims must be positive")
 
-    o = cfg.optim
+
+def _validate_optim(o: OptimConfig) -> None:
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive")
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     _check(o.lr_warmup_steps >= 0, "optim.lr_warmup_steps must be >= 0")
 
+
+def _validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
     _check(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be at least 1")
     _check(p.cpus_per_worker >= 1, f"parallel.cpus_per_worker={p.cpus_per_worker} must be at least 1")
@@ -431,13 +534,15 @@ def validate(cfg: Config) -> None:
             "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
             "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
 
-    d = cfg.data
+
+def _validate_data(d: DataConfig) -> None:
     if d.name == "parquet":
         _check(bool(d.path), "data.name=parquet needs data.path (a parquet file or folder of shards)")
     _check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _check(d.synthetic_batches >= 1, "data.synthetic_batches must be at least 1")
 
-    t = cfg.train
+
+def _validate_train(t: TrainConfig, p: ParallelConfig) -> None:
     _check(t.batch_size > 0, f"train.batch_size={t.batch_size} must be positive")
     _check(t.steps > 0, f"train.steps={t.steps} must be positive")
     _check(0 <= t.warmup_steps < t.steps,
@@ -446,7 +551,17 @@ def validate(cfg: Config) -> None:
     _check(t.report_every >= 1, "train.report_every must be at least 1")
     for key in ("eval_every", "checkpoint_every", "max_failures", "fail_at_step"):
         _check(getattr(t, key) >= 0, f"train.{key} must be >= 0")
-    s = cfg.sweep
+    _check(0 <= t.fail_rank < p.num_workers,
+           f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers})")
+
+
+def _validate_launch(launch: LaunchConfig) -> None:
+    _check(launch.scale_up_timeout_s >= 0, f"launch.scale_up_timeout_s={launch.scale_up_timeout_s} must be >= 0")
+    _check(launch.worker_start_timeout_s is None or launch.worker_start_timeout_s > 0,
+           f"launch.worker_start_timeout_s={launch.worker_start_timeout_s} must be positive")
+
+
+def validate_sweep(s: SweepConfig) -> None:
     unknown = sorted(set(s.strategies) - set(STRATEGIES))
     _check(not unknown, f"sweep.strategies has unknown {unknown}; allowed: {', '.join(STRATEGIES)}")
     _check("ddp" in s.strategies, "sweep.strategies must include ddp, the baseline every point is compared to")
@@ -456,13 +571,11 @@ def validate(cfg: Config) -> None:
     _check(not unknown, f"sweep.rungs has unknown {unknown}; allowed: {', '.join(LADDER_RUNGS)}")
     _check(s.ladder_image_size > 0, "sweep.ladder_image_size must be positive")
 
-    q = cfg.search
+
+def validate_search(q: SearchConfig) -> None:
     _check(q.max_accuracy_drop >= 0, f"search.max_accuracy_drop={q.max_accuracy_drop} must be >= 0")
     _check(q.num_samples >= 1, "search.num_samples must be at least 1")
     _check(q.max_concurrent_trials >= 0, "search.max_concurrent_trials must be >= 0")
     _check(q.asha_grace_steps >= 0, "search.asha_grace_steps must be >= 0")
     _check(q.asha_reduction_factor > 1, f"search.asha_reduction_factor={q.asha_reduction_factor} must be > 1")
     _check(0 < q.target_accuracy <= 1, f"search.target_accuracy={q.target_accuracy} must be in (0, 1]")
-
-    _check(0 <= t.fail_rank < p.num_workers,
-           f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers})")

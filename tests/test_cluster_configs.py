@@ -19,7 +19,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
 from ray.runtime_env import RuntimeEnv
 
-from rayvit.config import load_config
+from rayvit.config import load_study
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"
@@ -263,9 +263,10 @@ def test_both_clusters_span_8_to_64_gpus():
 def test_study_config_fits_the_clusters():
     path = ROOT / STUDY
     assert path.is_file(), f"{STUDY} (named by the RayJob and the README) does not exist"
-    cfg = load_config(path)
+    study = load_study(path)
+    cfg = study.run
     assert cfg.parallel.use_gpu, "the A100 study must run one GPU per Ray Train worker"
-    counts = list(cfg.sweep.worker_counts) if cfg.sweep.mode == "scaling" else [cfg.parallel.num_workers]
+    counts = list(study.sweep.worker_counts) if study.sweep.mode == "scaling" else [cfg.parallel.num_workers]
     max_gpus = GPUS_PER_NODE * MAX_NODES
     for n in counts:
         assert GPUS_PER_NODE * MIN_NODES <= n <= max_gpus, f"{n} workers outside 8..{max_gpus} GPUs"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rayvit.config import Config, ConfigError, from_dict, load_config
+from rayvit.config import Config, ConfigError, from_dict, load_config, load_study
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
@@ -16,12 +16,13 @@ def test_defaults_validate_and_round_trip(tmp_path):
 def test_yaml_and_overrides_are_typed(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  name: vit_b16\n  image_size: 224\ntrain:\n  batch_size: 8\n")
-    cfg = load_config(path, ["optim.lr=3e-4", "train.steps=7", "parallel.use_gpu=false",
-                             "sweep.worker_counts=1,2,4", "model.classifier=pooled"])
+    study = load_study(path, ["optim.lr=3e-4", "train.steps=7", "parallel.use_gpu=false",
+                              "sweep.worker_counts=1,2,4", "model.classifier=pooled"])
+    cfg = study.run
     assert cfg.model.hidden_dim == 768 and cfg.model.depth == 12 and cfg.model.patch_size == 16
     assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
     assert cfg.train.steps == 7 and cfg.train.batch_size == 8
-    assert cfg.sweep.worker_counts == [1, 2, 4]
+    assert study.sweep.worker_counts == [1, 2, 4]
     assert cfg.flatten()["model.classifier"] == "pooled"
 
 

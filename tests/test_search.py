@@ -7,6 +7,7 @@ groups is what keeps later trials from starving.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -16,16 +17,17 @@ from pathlib import Path
 
 import pytest
 
-import rayvit.trainer  # noqa: F401 - sets Ray's auth mode before ray is imported
-import ray  # noqa: E402
-from mlflow import MlflowClient  # noqa: E402
+import ray
+from mlflow import MlflowClient
 
-from rayvit.config import ConfigError, load_config  # noqa: E402
-from rayvit.results import RunResult  # noqa: E402
-from rayvit.trainer import TrainingError, fit  # noqa: E402
-from rayvit.tune import (  # noqa: E402
-    ERROR_KEY, STATUS_KEY, accuracy_excess, best_outcome, is_divergence, judge, plan_search, run_search,
-    time_to_accuracy, trial_trainable, TrialOutcome, Verdict)
+from rayvit.config import ConfigError, load_config, load_study
+from rayvit.results import RunResult
+from rayvit.studies.judge import (Verdict, accuracy_excess, best_outcome, is_divergence, judge,
+                                  time_to_accuracy)
+from rayvit.studies.plan import Point, plan_search
+from rayvit.studies.runner import Outcome
+from rayvit.studies.search import ERROR_KEY, STATUS_KEY, run_search, trial_trainable
+from rayvit.trainer import TrainingError, fit
 
 REPO = Path(__file__).resolve().parent.parent
 SEARCH_CPU = REPO / "experiments" / "configs" / "search_cpu.yaml"
@@ -50,7 +52,7 @@ def local_ray(tmp_path_factory):
 
 
 def search_cfg(**overrides):
-    return load_config(SEARCH_CPU, {**QUICK, **overrides})
+    return load_study(SEARCH_CPU, {**QUICK, **overrides})
 
 
 def run_result(val_accuracy, tflops=0.02, evals=(), step_time=0.1, steps=10):
@@ -90,17 +92,17 @@ def test_cli_bad_input_exits_2_without_starting_ray(tmp_path):
 
 
 def test_default_search_spans_6_to_8_bf16_trials():
-    plan = plan_search(load_config(SEARCH_CPU))
+    plan = plan_search(load_study(SEARCH_CPU))
     assert 6 <= plan.num_trials <= 8
     assert plan.base.precision.dtype == "bf16" and {s["precision.mode"] for s in plan.settings} <= {"amp", "mixed", "pure"}
-    assert plan.baseline.precision.mode == "fp32" and plan.baseline.optim.impl == "loop"
-    assert plan.baseline.model.image_size == plan.base.model.image_size
+    assert plan.baseline.cfg.precision.mode == "fp32" and plan.baseline.cfg.optim.impl == "loop"
+    assert plan.baseline.cfg.model.image_size == plan.base.model.image_size
 
 
 # -- the constraint and the objective ---------------------------------------------------------------
 
 def test_constraint_is_absolute_accuracy_points_below_the_baseline():
-    cfg = search_cfg(**{"search.max_accuracy_drop": 0.02})
+    cfg = search_cfg(**{"search.max_accuracy_drop": 0.02}).search
     assert judge("done", run_result(0.90), 0.91, cfg).feasible
     assert judge("done", run_result(0.89), 0.91, cfg).feasible           # exactly the allowed drop
     assert judge("done", run_result(0.95), 0.91, cfg).feasible           # better than the baseline
@@ -113,7 +115,7 @@ def test_constraint_is_absolute_accuracy_points_below_the_baseline():
 
 
 def test_diverged_stopped_and_failed_trials_are_infeasible_with_a_reason():
-    cfg = search_cfg()
+    cfg = search_cfg().search
     v = judge("diverged", None, 0.9, cfg, error="...\nDivergedError: loss is nan at step 3; the run diverged")
     assert not v.feasible and v.reason.startswith("diverged") and "loss is nan" in v.reason
     v = judge("stopped", None, 0.9, cfg, last={"step": 20, "loss": 2.2})
@@ -126,14 +128,14 @@ def test_time_to_accuracy_and_best_feasible():
     assert time_to_accuracy(run_result(0.93, evals=evals, step_time=0.2), 0.9) == pytest.approx(2.0)
     assert time_to_accuracy(run_result(0.93, evals=evals), 0.95) is None
     cfg = search_cfg(**{"search.objective": "time_to_accuracy", "train.eval_every": 5})
-    v = judge("done", run_result(0.93, evals=evals), 0.93, cfg.replace({"search.target_accuracy": 0.95}))
+    v = judge("done", run_result(0.93, evals=evals), 0.93, cfg.replace({"search.target_accuracy": 0.95}).search)
     assert not v.feasible and "never reached" in v.reason
 
     def outcome(label, feasible, objective):
-        return TrialOutcome(label, {}, "done", Verdict(feasible, "", objective, 0.0))
+        return Outcome(Point(0, label, label, 1, cfg.run), "done", verdict=Verdict(feasible, "", objective, 0.0))
     outcomes = [outcome("a", True, 1.0), outcome("b", False, 9.0), outcome("c", True, 3.0)]
-    assert best_outcome(outcomes, "max").label == "c"         # the infeasible faster one is not chosen
-    assert best_outcome(outcomes, "min").label == "a"
+    assert best_outcome(outcomes, "max").point.key == "c"         # the infeasible faster one is not chosen
+    assert best_outcome(outcomes, "min").point.key == "a"
     assert best_outcome([outcome("x", False, 1.0)], "max") is None
 
 
@@ -141,7 +143,8 @@ def test_time_to_accuracy_and_best_feasible():
 
 def test_nan_loss_stops_the_trial_cleanly_and_reads_as_diverged(local_ray):
     # An absurd learning rate overflows the weights at the first step: the next loss is NaN/inf.
-    cfg = search_cfg(**{"optim.lr": 1e30, "parallel.num_workers": 1})
+    study = search_cfg(**{"optim.lr": 1e30, "parallel.num_workers": 1})
+    cfg = study.run
     with pytest.raises(TrainingError) as caught:
         fit(cfg)
     assert is_divergence(caught.value)
@@ -152,12 +155,13 @@ def test_nan_loss_stops_the_trial_cleanly_and_reads_as_diverged(local_ray):
 
     tuner = tune.Tuner(
         tune.with_resources(tune.with_parameters(trial_trainable, base=cfg.to_dict(), search_name="div",
-                                                 baseline_accuracy=0.9), {"CPU": 0, "node:__internal_head__": 0.001}),
+                                                 search=dataclasses.asdict(study.search), baseline_accuracy=0.9),
+                            {"CPU": 0, "node:__internal_head__": 0.001}),
         run_config=tune.RunConfig(storage_path=str(local_ray / "tune"), verbose=0))
     [result] = list(tuner.fit())
     assert result.error is None
     assert result.metrics[STATUS_KEY] == "diverged" and "diverged" in result.metrics[ERROR_KEY]
-    v = judge("diverged", None, 0.9, cfg, error=result.metrics[ERROR_KEY])
+    v = judge("diverged", None, 0.9, study.search, error=result.metrics[ERROR_KEY])
     assert not v.feasible and v.reason.startswith("diverged")
 
 
@@ -202,7 +206,7 @@ def test_cli_search_end_to_end(local_ray, tmp_path):
     top = max(feasible, key=lambda c: c.data.metrics["tflops_per_chip"])
     assert parent.data.tags["best_trial"] == top.data.tags["rayvit.trial"]
     assert best.precision.mode == top.data.tags["precision"].split("-")[0]
-    assert best.train.steps == 40 and best.search.space == {}
+    assert best.train.steps == 40 and load_study(best_path).search.space == {}
 
     # ... and experiments/scaling.py accepts it.
     proc = subprocess.run([sys.executable, "experiments/scaling.py", "--dry-run", "--config", str(best_path)],
@@ -222,13 +226,13 @@ def test_asha_stopped_trials_release_their_workers(local_ray):
                         "search.asha_grace_steps": 10, "search.asha_reduction_factor": 5,
                         "search.max_accuracy_drop": 1.0, "search.name": "asha"})
     report = run_search(cfg, out=lambda line: None)
-    by_name = {o.overrides["optim.name"]: o for o in report.outcomes}
+    by_name = {o.point.setting["optim.name"]: o for o in report.outcomes}
     assert by_name["sgd"].status == "stopped", by_name["sgd"].verdict.reason
     assert by_name["sgd"].verdict.reason.startswith("stopped early by ASHA at step")
     # The trial after the stopped one ran its whole budget: nothing starved, nothing hung.
     assert by_name["adam"].status == "done" and by_name["adam"].result is not None
     assert by_name["adamw"].status == "done"
-    assert not report.errors
+    assert not report.failed
     # With the dashboard off, Ray Train's cleaner cannot free the stopped trial's group: rayvit did.
     assert report.released_placement_groups >= 1
     leftover = [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
@@ -242,10 +246,10 @@ def test_asha_stopped_trials_release_their_workers(local_ray):
 def test_optuna_sampler_gets_the_accuracy_constraint_not_a_folded_objective():
     from ray import tune
 
-    from rayvit.tune import EXCESS_KEY, _optuna_searcher
+    from rayvit.studies.search import EXCESS_KEY, optuna_searcher
 
     cfg = search_cfg(**{"search.algorithm": "optuna"})
-    searcher = _optuna_searcher(cfg, "tflops_per_chip", "max")
+    searcher = optuna_searcher(cfg.search, cfg.run.train.seed, "max")
     assert searcher.set_search_properties(None, None, {"precision.mode": tune.choice(["amp", "pure"])})
     for trial_id, excess in (("a", 0.03), ("b", -0.01)):
         assert searcher.suggest(trial_id)["precision.mode"] in ("amp", "pure")

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from rayvit.config import ConfigError, load_config
-from rayvit.sweep import plan
+from rayvit.config import ConfigError, load_study
+from rayvit.studies.plan import plan
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "scaling.py"
@@ -31,17 +31,17 @@ FEW_STEPS = ["--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set",
 # -- planning ----------------------------------------------------------------------------------------
 
 def test_scaling_plan_covers_every_strategy_at_every_count_ddp_first():
-    cfg = load_config(CONFIGS / "cpu_default.yaml", ["sweep.strategies=fsdp,ddp", "sweep.worker_counts=2,1"])
+    cfg = load_study(CONFIGS / "cpu_default.yaml", ["sweep.strategies=fsdp,ddp", "sweep.worker_counts=2,1"])
     points = plan(cfg)
     assert [p.key for p in points] == ["ddp/w1", "fsdp/w1", "ddp/w2", "fsdp/w2"]
     for p in points:
         assert (p.cfg.parallel.strategy, p.cfg.parallel.num_workers) == (p.series, p.world_size)
         # Everything but strategy and workers is the sweep's: same model, batch, data and precision.
-        assert p.cfg.model == cfg.model and p.cfg.train == cfg.train and p.cfg.precision == cfg.precision
+        assert p.cfg.model == cfg.run.model and p.cfg.train == cfg.run.train and p.cfg.precision == cfg.run.precision
 
 
 def test_study_config_plans_8_to_64_gpus():
-    points = plan(load_config(CONFIGS / "study_a100.yaml"))
+    points = plan(load_study(CONFIGS / "study_a100.yaml"))
     assert sorted({p.world_size for p in points}) == [8, 16, 32, 64]
     assert {p.series for p in points} == {"ddp", "fsdp", "fairscale_fsdp"}
     c = points[0].cfg
@@ -49,11 +49,11 @@ def test_study_config_plans_8_to_64_gpus():
 
 
 def test_ladder_is_cumulative_with_bf16_on_cpu():
-    cfg = load_config(CONFIGS / "ladder_cpu.yaml")
+    cfg = load_study(CONFIGS / "ladder_cpu.yaml")
     points = plan(cfg)
     assert [p.series for p in points] == ["baseline", "mixed_precision", "fsdp", "mta_optimizer",
                                           "pooled_classifier", "batch_second", "image_256", "full_half"]
-    assert {p.world_size for p in points} == {cfg.parallel.num_workers}
+    assert {p.world_size for p in points} == {cfg.run.parallel.num_workers}
     state = [(p.cfg.parallel.strategy, p.cfg.precision.mode, p.cfg.optim.impl, p.cfg.model.classifier,
               p.cfg.model.layout, p.cfg.model.image_size) for p in points]
     assert state[0] == ("ddp", "fp32", "loop", "token", "batch_first", 32)
@@ -61,29 +61,29 @@ def test_ladder_is_cumulative_with_bf16_on_cpu():
     assert state[-1] == ("fsdp", "pure", "foreach", "pooled", "batch_second", cfg.sweep.ladder_image_size)
     assert {p.cfg.precision.dtype for p in points} == {"bf16"}
     # On GPUs the configured half type stays (the study ran fp16).
-    gpu = plan(load_config(CONFIGS / "study_a100.yaml", ["sweep.mode=ladder", "precision.mode=amp"]))
+    gpu = plan(load_study(CONFIGS / "study_a100.yaml", ["sweep.mode=ladder", "precision.mode=amp"]))
     assert {p.cfg.precision.dtype for p in gpu} == {"fp16"} and gpu[-2].cfg.model.image_size == 256
     # A subset of rungs is still cumulative: pooled_classifier carries the skipped rungs' changes.
-    two = plan(load_config(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=baseline,pooled_classifier"]))
+    two = plan(load_study(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=baseline,pooled_classifier"]))
     assert [(p.series, p.cfg.parallel.strategy, p.cfg.optim.impl) for p in two] == [
         ("baseline", "ddp", "loop"), ("pooled_classifier", "fsdp", "foreach")]
 
 
 def test_plan_errors_name_the_problem():
     with pytest.raises(ConfigError, match="must include baseline"):
-        plan(load_config(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=fsdp,full_half"]))
+        plan(load_study(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=fsdp,full_half"]))
     with pytest.raises(ConfigError, match="fp32 or amp"):
-        plan(load_config(CONFIGS / "ladder_cpu.yaml", ["precision.mode=pure"]))
+        plan(load_study(CONFIGS / "ladder_cpu.yaml", ["precision.mode=pure"]))
     with pytest.raises(ConfigError, match="fairscale_fsdp at 1 workers: .*needs CUDA"):
-        plan(load_config(CONFIGS / "cpu_default.yaml", ["sweep.strategies=ddp,fairscale_fsdp"]))
+        plan(load_study(CONFIGS / "cpu_default.yaml", ["sweep.strategies=ddp,fairscale_fsdp"]))
     with pytest.raises(ConfigError, match="must include ddp"):
-        load_config(CONFIGS / "cpu_default.yaml", ["sweep.strategies=fsdp"])
+        load_study(CONFIGS / "cpu_default.yaml", ["sweep.strategies=fsdp"])
 
 
 def test_config_hash_tracks_what_a_point_measures():
-    base = plan(load_config(CONFIGS / "cpu_default.yaml"))[0]
-    renamed = plan(load_config(CONFIGS / "cpu_default.yaml", ["sweep.name=other", "train.max_failures=2"]))[0]
-    bigger = plan(load_config(CONFIGS / "cpu_default.yaml", ["train.batch_size=32"]))[0]
+    base = plan(load_study(CONFIGS / "cpu_default.yaml"))[0]
+    renamed = plan(load_study(CONFIGS / "cpu_default.yaml", ["sweep.name=other", "train.max_failures=2"]))[0]
+    bigger = plan(load_study(CONFIGS / "cpu_default.yaml", ["train.batch_size=32"]))[0]
     assert base.config_hash == renamed.config_hash != bigger.config_hash
 
 

@@ -10,10 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from rayvit import plots, tracking
-from rayvit.config import load_config
+from rayvit.config import load_study
+from rayvit.record import plots, tracking
+from rayvit.record.tables import write_parquet
 from rayvit.results import RunResult
-from rayvit.sweep import Outcome, format_table, plan, rows_of, write_parquet
+from rayvit.studies.plan import plan
+from rayvit.studies.runner import Outcome
+from rayvit.studies.sweep import rows_of, sweep_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -153,7 +156,7 @@ def test_curves_are_logged_once_per_chip_count(store):
 # -- result rows, parquet and figures ----------------------------------------------------------------
 
 def _outcomes():
-    cfg = load_config(None, ["sweep.strategies=ddp,fsdp", "sweep.worker_counts=1,2"])
+    cfg = load_study(None, ["sweep.strategies=ddp,fsdp", "sweep.worker_counts=1,2"])
     figures = {"ddp/w1": (0.50, 100.0), "fsdp/w1": (0.60, 120.0), "ddp/w2": (0.40, 80.0), "fsdp/w2": (0.55, 110.0)}
     out = []
     for p in plan(cfg):
@@ -180,7 +183,7 @@ def test_rows_parquet_and_figures(tmp_path):
         assert column in table.column_names
     assert table.column("status").to_pylist() == ["done", "done", "done", "failed"]
 
-    text = format_table(rows, "scaling")
+    text = sweep_table(rows, "scaling")
     assert "fsdp/w1" in text and "1.20x" in text and "failed" in text
 
     ok = [r for r in rows if r["status"] == "done"]
@@ -191,14 +194,14 @@ def test_rows_parquet_and_figures(tmp_path):
 
 
 def test_ladder_rows_and_figure(tmp_path):
-    cfg = load_config(None, ["sweep.mode=ladder", "sweep.rungs=baseline,mixed_precision,fsdp",
+    cfg = load_study(None, ["sweep.mode=ladder", "sweep.rungs=baseline,mixed_precision,fsdp",
                              "parallel.num_workers=2"])
     points = plan(cfg)
     outcomes = [Outcome(p, "done", make_result(p.cfg.parallel.strategy, 2, t, 10 * t), run_id="r")
                 for p, t in zip(points, (0.5, 0.8, 0.9))]
     rows = rows_of(outcomes, "ladder")
     assert [round(r["relative_throughput"], 2) for r in rows] == [1.0, 1.6, 1.8]
-    assert "1.80x" in format_table(rows, "ladder")
+    assert "1.80x" in sweep_table(rows, "ladder")
     png = plots.ladder_figure(rows, tmp_path / "ladder.png")
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
 

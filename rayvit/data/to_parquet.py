@@ -1,6 +1,6 @@
 """Convert an image-folder tree (one subfolder per class) into parquet shards for rayvit.
 
-    python -m rayvit.data.to_parquet SRC DST [--rows-per-shard N] [--seed S]
+    rayvit to-parquet SRC DST [--rows-per-shard N] [--seed S]
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, rows_per_shard: int 
     return written
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str = "rayvit to-parquet") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rayvit.data.to_parquet",
+        prog=prog,
         description="Convert an image-folder tree into parquet shards that rayvit reads with "
                     "data.name=parquet data.path=DST. SRC holds one subfolder per class; the class "
                     "index of an image is the position of its folder among the sorted folder names. "

@@ -110,9 +110,9 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
     parser = argparse.ArgumentParser(
-        prog="rayvit bench", description=__doc__, epilog=EXAMPLES,
+        prog=prog, description=__doc__, epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     parser.add_argument("--config", help="YAML config file (defaults: a tiny ViT on CPU)")

@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+from rayvit.config import rayvit_home
 from rayvit.results import RunResult
 
 # Tags that make runs filterable in the MLflow UI ("tags.rayvit.kind = 'point'").
@@ -49,10 +50,6 @@ class TrackingError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------------
 # Where runs go
-
-
-def rayvit_home() -> Path:
-    return Path(os.environ.get("RAYVIT_HOME") or Path.home() / ".rayvit").expanduser().resolve()
 
 
 def default_tracking_uri() -> str:
@@ -253,6 +250,9 @@ class SweepTracker:
 
     def set_parent_tags(self, tags: Mapping[str, Any]) -> None:
         self._log(self.parent_id, tags=tags)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        self._log(run_id, tags=tags)
 
     def log_parent_file(self, path: str | os.PathLike) -> None:
         self.client.log_artifact(self.parent_id, str(path))

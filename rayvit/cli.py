@@ -1,0 +1,204 @@
+"""``rayvit``: one command for every entry point.
+
+    rayvit sweep   [--config F] [--set k=v ...]     scaling sweeps and the optimization ladder
+    rayvit search  [--config F] [--set k=v ...]     Ray Tune: fastest setting within the accuracy budget
+    rayvit bench   [k=v ...] [--compare k=a,b]      single-process A/B timing of the training step
+    rayvit to-parquet SRC DST                       image folder -> parquet shards for data.name=parquet
+
+``experiments/scaling.py`` and ``experiments/search.py`` are the same commands as files, for
+``ray job submit -- python experiments/scaling.py``. Exit status: 0 done, 1 a point or trial failed,
+2 nothing could start (bad config, unreachable store or cluster, cluster too small), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
+TRACKING_HELP = ("tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else "
+                 "sqlite:///~/.rayvit/mlflow.db ($RAYVIT_HOME moves it)")
+
+SWEEP_DESCRIPTION = """Scaling sweeps (every strategy at every worker count, against DDP) and the optimization ladder.
+
+Locally, with no arguments: a local Ray instance runs the CPU default (a tiny ViT at 1 and 2 workers,
+ddp + fsdp + fairscale_oss) in a few minutes. On a cluster:
+
+    ray job submit --working-dir . -- python experiments/scaling.py --config experiments/configs/study_a100.yaml
+
+Results go to MLflow: one experiment per config, a parent run per sweep (curves keyed by chip count,
+scaling/ladder PNGs, results.parquet) and a child run per point. The last lines printed say how to
+browse them. Exit status: 0 if every point finished, 1 if any failed, 2 if nothing could start
+(bad config, unreachable tracking store, cluster too small), 130 when interrupted."""
+
+SWEEP_EXAMPLES = f"""examples:
+  %(prog)s                                  # CPU default sweep
+  %(prog)s --dry-run                        # the planned points and their resources
+  %(prog)s --config experiments/configs/ladder_cpu.yaml
+  %(prog)s --set sweep.worker_counts=1,2 --set train.steps=10 --name quick
+  %(prog)s --name quick                     # rerun: finished points are reused
+
+{TRACKING_HELP}. Sweep names are unique per experiment; reusing one resumes that sweep."""
+
+SEARCH_DESCRIPTION = """Find the fastest precision / image size / optimizer setting whose accuracy stays within budget.
+
+The study's fastest settings (bigger images, full half precision) can cost accuracy. This search trains
+a baseline (the reference setting: fp32, the base image size, the baseline optimizer) on a real dataset,
+then every setting of the search.space for the same budget, each as a multi-worker Ray Train run
+launched from a Ray Tune trial. A setting is feasible when its validation accuracy is at most
+search.max_accuracy_drop (absolute: 0.02 = two points) below the baseline's and its loss never went
+NaN/inf. The fastest feasible one, by search.objective (tflops_per_chip, images_per_sec or
+time_to_accuracy), is written as a config file that `rayvit sweep --config` runs.
+
+Results go to MLflow: a parent run per search (the trials table, an accuracy-against-throughput plot with
+the constraint line and the best setting marked, the best config) and a child run per trial (params,
+figures, a `feasible` tag and the reason). Rerunning a search of the same name reuses its baseline and
+resumes its unfinished trials. Exit status: 0 when the search finished, 1 if a trial failed with an
+error (diverged or infeasible trials are results, not errors), 2 if nothing could start (bad config or
+search space, unreachable tracking store, cluster too small, baseline without an accuracy), 130 when
+interrupted."""
+
+SEARCH_EXAMPLES = f"""examples:
+  %(prog)s                                   # CPU default search
+  %(prog)s --set search.max_accuracy_drop=0.01 --output best.yaml
+  %(prog)s --set 'search.space={{precision.mode: [amp, pure]}}' --name quick
+  %(prog)s --set search.algorithm=optuna --set search.num_samples=12
+  %(prog)s --set search.asha=true            # stop trials that fall behind early
+  rayvit sweep --config best.yaml            # then scale the winner
+
+searchable keys: precision.mode, precision.dtype, model.image_size, optim.name, optim.impl,
+model.classifier, model.layout, parallel.strategy (the budget: train.steps, batch and data stay fixed).
+{TRACKING_HELP}."""
+
+
+def _common(parser: argparse.ArgumentParser, default_config: Path, what: str) -> None:
+    parser.add_argument("--config", default=str(default_config),
+                        help=f"YAML config (default: experiments/configs/{default_config.name})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set train.steps=10 (repeatable)")
+    parser.add_argument("--name", help=f"{what} name (the MLflow parent run); an existing name resumes it")
+    parser.add_argument("--address", help="Ray cluster to attach to (default: $RAY_ADDRESS, as set by "
+                                          "`ray job submit`; else a local instance)")
+
+
+def sweep_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=SWEEP_DESCRIPTION, epilog=SWEEP_EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(parser, CONFIGS / "cpu_default.yaml", "sweep")
+    parser.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment, else the "
+                                             "config file's name)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the planned points and the resources each needs, then exit")
+    return parser
+
+
+def search_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=SEARCH_DESCRIPTION, epilog=SEARCH_EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(parser, CONFIGS / "search_cpu.yaml", "search")
+    parser.add_argument("--output", help="where to write the best feasible setting as a config file "
+                                         "(default: ~/.rayvit/searches/<name>/best_config.yaml)")
+    parser.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment, else rayvit-search)")
+    return parser
+
+
+def eprint(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _guarded(run: Callable[[], int], interrupted: str) -> int:
+    """Start-up errors (exit 2) and Ctrl-C (exit 130) said in one line each, as a CLI should."""
+    from rayvit.config import ConfigError
+    from rayvit.launch.trainer import ClusterTooSmall
+    from rayvit.record.tracking import TrackingError
+    from rayvit.studies.search import BaselineFailed
+
+    try:
+        return run()
+    except (ConfigError, TrackingError, ClusterTooSmall, BaselineFailed) as e:
+        eprint(f"error: {e}")
+        return 2
+    except KeyboardInterrupt:
+        eprint(f"interrupted: {interrupted}")
+        return 130
+
+
+def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
+    args = sweep_parser(prog).parse_args(argv)
+
+    def run() -> int:
+        from rayvit.config import load_study
+        from rayvit.studies.plan import describe_plan, plan
+        from rayvit.studies.sweep import print_summary, run_sweep
+
+        study = load_study(args.config, list(args.overrides) + ([f"sweep.name={args.name}"] if args.name else []))
+        points = plan(study)
+        if args.dry_run:
+            print(f"config: {args.config}")
+            print(describe_plan(study, points))
+            return 0
+        experiment = args.experiment or study.tracking.experiment or Path(args.config).stem
+        report = run_sweep(study, experiment=experiment, address=args.address)
+        print_summary(report)
+        return report.exit_code
+
+    return _guarded(run, "the running point and the sweep are marked KILLED; rerun with the same --name to resume")
+
+
+def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
+    args = search_parser(prog).parse_args(argv)
+
+    def run() -> int:
+        from rayvit.config import load_study
+        from rayvit.studies.plan import plan_search
+
+        study = load_study(args.config, list(args.overrides) + ([f"search.name={args.name}"] if args.name else []))
+        plan_search(study)     # bad input fails here, before Ray or MLflow start
+        from rayvit.studies.search import print_summary, run_search
+
+        report = run_search(study, experiment=args.experiment, output=args.output, address=args.address)
+        print_summary(report)
+        return report.exit_code
+
+    return _guarded(run, "the search's MLflow parent run is marked KILLED; rerun with the same --name to resume")
+
+
+def bench(argv: Sequence[str], prog: str = "rayvit bench") -> int:
+    from rayvit.worker.bench import main as bench_main
+
+    return bench_main(list(argv), prog=prog)
+
+
+def to_parquet(argv: Sequence[str], prog: str = "rayvit to-parquet") -> int:
+    from rayvit.data.to_parquet import main as to_parquet_main
+
+    return to_parquet_main(list(argv), prog=prog)
+
+
+COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
+    "sweep": (sweep, "scaling sweeps and the optimization ladder, recorded in MLflow"),
+    "search": (search, "Ray Tune search for the fastest setting within an accuracy budget"),
+    "bench": (bench, "single-process A/B timing of the training step (ratios against the first variant)"),
+    "to-parquet": (to_parquet, "convert an image folder into parquet shards for data.name=parquet"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        width = max(len(name) for name in COMMANDS)
+        usage = "usage: rayvit COMMAND [options]   (rayvit COMMAND --help for each)\n\ncommands:\n" + "\n".join(
+            f"  {name.ljust(width)}  {about}" for name, (_, about) in COMMANDS.items())
+        if argv and argv[0] not in ("-h", "--help"):
+            eprint(f"rayvit: unknown command {argv[0]!r}\n\n{usage}")
+            return 2
+        print(usage)
+        return 0 if argv else 2
+    command, _ = COMMANDS[argv[0]]
+    return command(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The Ray layer: run ``rayvit.worker.train`` on Ray Train workers.
+
+Three entry points, smallest first:
+
+- ``train_loop_per_worker(config)``: the function any ``TorchTrainer`` can run; ``config["rayvit"]`` is
+  a config dict (``Config.to_dict()``).
+- ``build_trainer(cfg, datasets=None, run_config=None) -> TorchTrainer``: scaling, backend, failure
+  handling and datasets derived from the config, for callers who want to ``fit()`` themselves.
+- ``fit(cfg) -> RunResult``: run it and return the typed summary; raises ``TrainingError`` on failure.
+
+Ray is started locally when the caller has not initialised it, and attached to when ``RAY_ADDRESS`` is
+set (as under ``ray job submit``). Requests the cluster can never satisfy fail before any worker starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from typing import Any, Optional
+
+if "ray" not in sys.modules:
+    # A fresh local instance turns token authentication on and warns about it; saying so explicitly keeps
+    # it on and silences the warning. Ray reads this at import, so it must be set before the import.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+import ray  # noqa: E402
+import torch  # noqa: E402
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from rayvit.config import Config, from_dict, rayvit_home
+from rayvit.launch.resources import resources_for, worker_bundle
+from rayvit.results import RunResult
+from rayvit.worker import Session, train
+from rayvit.worker.metrics import images_per_sec
+
+__all__ = ["train_loop_per_worker", "build_trainer", "fit", "ensure_ray", "resources_for",
+           "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path"]
+
+logger = logging.getLogger(__name__)
+
+# Each ray.train.report() waits for the controller's health-check tick (2 s by default). A shorter tick
+# makes reports cheap; the driver's value is propagated to the controller and the workers.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# A worker group that cannot be placed should fail in seconds, not after a minute.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+
+
+class TrainingError(RuntimeError):
+    """A Ray Train run failed; the message holds the cause."""
+
+
+class ClusterTooSmall(RuntimeError):
+    """The request can never be placed on this cluster."""
+
+
+def default_storage_path() -> str:
+    """Absolute (workers change directory): ``$RAYVIT_HOME/ray_results``, default ``~/.rayvit``."""
+    return str(rayvit_home() / "ray_results")
+
+
+def storage_path(cfg: Config) -> str:
+    """Ray Train's storage for ``cfg``: ``launch.storage`` when set, else the local default."""
+    return cfg.launch.storage or default_storage_path()
+
+
+def ensure_ray(address: Optional[str] = None) -> None:
+    """Attach to ``address`` / ``$RAY_ADDRESS`` if given, else start a local instance; no-op if running."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)   # never num_cpus when attaching
+    else:
+        # The dashboard stays on: Ray Train's placement-group cleaner queries its state API, and
+        # without it the console fills with "Failed to query Ray Train Controller actor state".
+        ray.init(include_dashboard=True, logging_level=logging.WARNING)
+
+
+def check_cluster_fits(cfgs: list[Config]) -> None:
+    """Raise ``ClusterTooSmall`` if any run can never be placed on the running cluster.
+
+    Compares each run's per-worker bundle with every alive node and its total with the cluster. An
+    autoscaling cluster may grow: set ``RAYVIT_SKIP_RESOURCE_CHECK=1`` there.
+    """
+    if os.environ.get("RAYVIT_SKIP_RESOURCE_CHECK") == "1":
+        return
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    cluster = {k: sum(n.get(k, 0.0) for n in nodes) for k in ("CPU", "GPU")}
+    for cfg in cfgs:
+        p = cfg.parallel
+        bundle = worker_bundle(cfg)
+        fitting_workers = sum(int(min(n.get(k, 0.0) // v for k, v in bundle.items())) for n in nodes)
+        if fitting_workers < p.num_workers:
+            need = resources_for(cfg)
+            raise ClusterTooSmall(
+                f"asked for {p.num_workers} workers x {bundle} ({need} in all, "
+                f"strategy {p.strategy}); the cluster has {len(nodes)} node(s) with "
+                f"{cluster['CPU']:g} CPUs and {cluster['GPU']:g} GPUs in all, room for {fitting_workers} "
+                f"such workers. Lower parallel.num_workers / sweep.worker_counts or "
+                f"parallel.cpus_per_worker, or add nodes (autoscaling clusters: RAYVIT_SKIP_RESOURCE_CHECK=1)")
+        if cfg.data.name == "parquet" and cluster["CPU"] - resources_for(cfg)["CPU"] < 1:
+            # Ray Data reads and decodes in tasks of its own: with every CPU held by a training worker
+            # they never get scheduled and the workers wait forever for their first batch.
+            raise ClusterTooSmall(
+                f"data.name=parquet streams through Ray Data, which needs at least one CPU beside the "
+                f"{p.num_workers} training workers x {p.cpus_per_worker} CPU; the cluster has "
+                f"{cluster['CPU']:g} CPUs. Use fewer workers or CPUs per worker, or add a node")
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}``. Returns the summary dict."""
+    cfg = from_dict(config["rayvit"])
+    device = ray.train.torch.get_device() if cfg.parallel.use_gpu else torch.device("cpu")
+    shards = {}
+    for name in ("train", "val"):
+        try:
+            shards[name] = ray.train.get_dataset_shard(name)
+        except (KeyError, ValueError, RuntimeError):
+            shards[name] = None
+    t = cfg.train
+
+    def report(metrics: dict, session: Session) -> None:
+        metrics = {**metrics, "restarts": session.restarts}
+        if session.step_times:
+            window = session.step_times[-t.report_every:]
+            metrics["images_per_sec_per_chip"] = images_per_sec(t.batch_size, len(window), sum(window))
+        # A single batch's loss is noisy; schedulers such as ASHA compare trials on the window's mean.
+        recent = session.history[-t.report_every:]
+        metrics["loss_mean"] = sum(h["loss"] for h in recent) / len(recent)
+        if session.evals:
+            metrics["val_accuracy"] = session.evals[-1]["val_accuracy"]
+        if t.checkpoint_every and session.step % t.checkpoint_every == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                session.save_checkpoint(tmp)
+                # Ranks that wrote nothing (replicated strategies: rank 0 writes the full copy) report none.
+                checkpoint = Checkpoint.from_directory(tmp) if os.listdir(tmp) else None
+                ray.train.report(metrics, checkpoint=checkpoint)
+        else:
+            ray.train.report(metrics)
+
+    checkpoint = ray.train.get_checkpoint()
+    with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
+        result = train(cfg, device=device, dataset_shards=shards if shards["train"] is not None else None,
+                       report=report, resume_from=resume_from)
+    return result.to_dict()
+
+
+def build_trainer(cfg: Config, *, datasets: Optional[dict] = None,
+                  run_config: Optional[RunConfig] = None) -> TorchTrainer:
+    """A ``TorchTrainer`` for ``cfg``: one worker per chip, gloo on CPU and nccl on GPU."""
+    p, t = cfg.parallel, cfg.train
+    resources = worker_bundle(cfg)
+    scaling = ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=resources,
+                            accelerator_type=p.accelerator_type, placement_strategy=p.placement_strategy)
+    if run_config is None:
+        run_config = RunConfig(
+            name=f"rayvit-{p.strategy}-{p.num_workers}w-{uuid.uuid4().hex[:8]}",
+            storage_path=storage_path(cfg),
+            # controller_failure_limit=0: a worker group that cannot start is an error, never a retry loop.
+            failure_config=FailureConfig(max_failures=t.max_failures, controller_failure_limit=0),
+            checkpoint_config=CheckpointConfig(num_to_keep=2))
+    if datasets is None and cfg.data.name == "parquet":
+        from rayvit.data import ray_datasets
+
+        datasets = ray_datasets(cfg)
+    return TorchTrainer(train_loop_per_worker, train_loop_config={"rayvit": cfg.to_dict()},
+                        scaling_config=scaling, torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
+                        run_config=run_config, datasets=datasets)
+
+
+def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None) -> RunResult:
+    """Run ``cfg`` on Ray Train and return rank 0's summary. Starts or attaches to Ray as needed."""
+    ensure_ray()
+    check_cluster_fits([cfg])
+    trainer = build_trainer(cfg, datasets=datasets, run_config=run_config)
+    try:
+        result = trainer.fit()
+    except Exception as e:  # Ray raises its own wrappers; keep the cause readable
+        raise TrainingError(f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers failed: "
+                            f"{_root_cause(e)}") from e
+    if result.error is not None:
+        raise TrainingError(f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers failed: "
+                            f"{_root_cause(result.error)}")
+    if result.return_value is None:
+        raise TrainingError("the run finished without a summary from rank 0")
+    return RunResult.from_dict(result.return_value)
+
+
+def _root_cause(error: BaseException) -> str:
+    seen = error
+    while seen.__cause__ is not None:
+        seen = seen.__cause__
+    text = str(seen).strip() or type(seen).__name__
+    return text.splitlines()[-1] if len(text) > 2000 else text

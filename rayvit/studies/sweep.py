@@ -1,0 +1,236 @@
+"""Scaling sweeps and the optimization ladder: run the planned points one by one, derive, record.
+
+Points run one at a time, each on the whole slice of the cluster it asks for, so their timings never
+share chips. Results go to MLflow through :class:`~rayvit.studies.runner.StudyRun`: a parent run per
+sweep (curves keyed by chip count, results.parquet, a PNG), a child run per point. Rerunning a sweep of
+the same name reuses finished points whose measured settings are unchanged and reruns the rest.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from rayvit.config import Study
+from rayvit.record import plots
+from rayvit.record.tables import Column, cell, fmt, format_table, number, times, write_parquet
+from rayvit.results import METRIC_KEYS
+from rayvit.studies.plan import Point, plan
+from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, print_failures, print_where
+
+# Per point figures derived across points (absent where their reference point is missing).
+DERIVED_KEYS = ("speedup_vs_ddp", "scaling_efficiency", "relative_throughput")
+
+# Curves logged on the parent run, ``<key>/<series>`` at step = number of chips.
+CURVE_KEYS = ("tflops_per_chip", "images_per_sec_per_chip", "mfu", "speedup_vs_ddp", "scaling_efficiency")
+
+
+def default_sweep_name(study: Study) -> str:
+    return f"{study.sweep.mode}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Optional[str] = None,
+              out: Callable[[str], None] = print) -> Report:
+    """Run (or resume) the sweep ``study`` describes; one child run per point under one parent run.
+
+    Raises ConfigError, ClusterTooSmall or TrackingError before any point runs; a point that fails is
+    recorded and the sweep goes on (``Report.exit_code`` is then 1). Ctrl-C marks the running point and
+    the sweep KILLED, so a rerun of the same name picks up from there.
+    """
+    from rayvit.launch.trainer import check_cluster_fits, ensure_ray, fit
+
+    name = study.sweep.name or default_sweep_name(study)
+    study = study.replace({"sweep.name": name})
+    mode, points = study.sweep.mode, plan(study)
+    experiment = experiment or study.tracking.experiment or f"rayvit-{mode}"
+    run = StudyRun(study, name, experiment, kind=mode)
+    # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
+    todo = [p for p in points if run.reusable(p) is None]
+    if todo:
+        ensure_ray(address)
+        check_cluster_fits([p.cfg for p in todo])
+
+    parent = run.start(_sweep_tags(study, points))
+    out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "
+        f"parent run {parent}")
+    out(f"tracking: {run.uri}" + ("  (resuming: finished points are reused)" if run.resumed else ""))
+    out(f"resume with: --name {name}")
+
+    progress = Progress(len(points), out)
+    outcomes: list[Outcome] = []
+    try:
+        for i, point in enumerate(points):
+            outcome = run.reusable(point)
+            if outcome is None:
+                if run.changed_since(point):
+                    out(f"{progress.tag(point)} {point.key}: its settings changed since run "
+                        f"{run.changed_since(point)}; running it again")
+                progress.begin(point, len(points) - i)
+                outcome = run.run_point(point, fit, _point_tags(point, mode))
+            outcomes.append(outcome)
+            progress.end(outcome)
+            _log_curves(run, rows_of(outcomes, mode), mode)
+    except KeyboardInterrupt:
+        run.interrupted(points[len(outcomes)].key if len(outcomes) < len(points) else "end")
+        raise
+    return _finish(run, study, points, outcomes)
+
+
+def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Outcome]) -> Report:
+    mode = study.sweep.mode
+    rows = rows_of(outcomes, mode)
+    report = Report(run.name, mode, run.experiment, run.uri, run.parent_id, outcomes, rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [write_parquet(rows, Path(tmp) / "results.parquet")]
+        ok = [r for r in rows if r["status"] in ("done", "reused")]
+        if ok and mode == "scaling":
+            files.append(plots.scaling_figure(ok, Path(tmp) / "scaling.png",
+                                              title=f"{run.name}: per-chip throughput against chips"))
+        elif ok:
+            n = points[0].world_size
+            files.append(plots.ladder_figure(ok, Path(tmp) / "ladder.png", title=f"{run.name}: optimization "
+                                             f"ladder at {n} chip{'s' if n > 1 else ''}"))
+        if mode == "scaling":
+            _log_curve_runs(run, rows)
+        report.artifacts = run.finish(files, {"rayvit.points": len(points), "rayvit.failed_points":
+                                              len(report.failed)}, failed=bool(report.failed))
+    return report
+
+
+def _sweep_tags(study: Study, points: list[Point]) -> dict[str, Any]:
+    c = study.run
+    return {"mode": study.sweep.mode, "model": c.model.name, "image_size": c.model.image_size,
+            "batch_per_chip": c.train.batch_size, "precision": c.precision.mode,
+            "accelerator": "gpu" if c.parallel.use_gpu else "cpu",
+            "strategies": ",".join(dict.fromkeys(p.cfg.parallel.strategy for p in points)),
+            "world_sizes": ",".join(str(n) for n in sorted({p.world_size for p in points}))}
+
+
+def _point_tags(point: Point, mode: str) -> dict[str, Any]:
+    return {"rayvit.rung": point.series} if mode == "ladder" else {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows, derived figures, tables
+
+
+def rows_of(outcomes: list[Outcome], mode: str) -> list[dict[str, Any]]:
+    """One flat row per point: key, status, conditions, metrics and the derived figures."""
+    rows = []
+    for o in outcomes:
+        row: dict[str, Any] = {"point": o.point.key, "series": o.point.series, "world_size": o.point.world_size,
+                               "status": o.status, "run_id": o.run_id, "error": o.error,
+                               "strategy": o.point.cfg.parallel.strategy,
+                               "seconds": round(o.seconds, 2) if o.status == "done" else None,
+                               "config_hash": o.point.config_hash}
+        if o.result is not None:
+            row.update({k: v for k, v in o.result.row().items() if k not in ("series", "point")})
+        for key in METRIC_KEYS:
+            row.setdefault(key, None)
+        rows.append(row)
+    add_derived(rows, mode)
+    return rows
+
+
+def _ratio(a: Any, b: Any) -> Optional[float]:
+    a, b = number(a), number(b)
+    return a / b if a is not None and b else None
+
+
+def add_derived(rows: list[dict[str, Any]], mode: str) -> None:
+    """Fill ``speedup_vs_ddp``, ``scaling_efficiency`` (scaling) or ``relative_throughput`` (ladder).
+
+    speedup_vs_ddp = per-chip TFLOPS / DDP's at the same worker count; scaling_efficiency = per-chip
+    images/s / the same strategy's at the sweep's smallest worker count (missing if that point failed:
+    a larger count is never silently used as the reference); relative_throughput = per-chip TFLOPS /
+    the baseline rung's.
+    """
+    for row in rows:
+        for key in DERIVED_KEYS:
+            row[key] = None
+    if mode == "ladder":
+        base = next((r for r in rows if r["series"] == "baseline"), None)
+        for row in rows:
+            row["relative_throughput"] = _ratio(row.get("tflops_per_chip"), base and base.get("tflops_per_chip"))
+        return
+    ddp = {r["world_size"]: r for r in rows if r["series"] == "ddp"}
+    smallest = min((r["world_size"] for r in rows), default=None)
+    first = {r["series"]: r for r in rows if r["world_size"] == smallest}
+    for row in rows:
+        ref = ddp.get(row["world_size"])
+        row["speedup_vs_ddp"] = _ratio(row.get("tflops_per_chip"), ref and ref.get("tflops_per_chip"))
+        ref = first.get(row["series"])
+        row["scaling_efficiency"] = _ratio(row.get("images_per_sec_per_chip"),
+                                           ref and ref.get("images_per_sec_per_chip"))
+
+
+SCALING_COLUMNS: list[Column] = [
+    ("point", cell("point")), ("status", cell("status")), ("chips", cell("world_size")),
+    ("img/s/chip", cell("images_per_sec_per_chip", ".1f")), ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
+    ("MFU", cell("mfu", ".1%")), ("vs DDP", lambda r: times(r["speedup_vs_ddp"])),
+    ("scaling eff.", cell("scaling_efficiency", ".0%")),
+    ("state MB/rank", cell("model_state_bytes_per_rank", ".1f", scale=2 ** 20)), ("time s", cell("seconds", ".0f")),
+]
+LADDER_COLUMNS: list[Column] = [
+    ("rung", cell("series")), ("status", cell("status")), ("chips", cell("world_size")),
+    ("strategy", cell("strategy")), ("precision", cell("precision")), ("img px", cell("image_size")),
+    ("img/s/chip", cell("images_per_sec_per_chip", ".1f")), ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
+    ("MFU", cell("mfu", ".1%")), ("vs baseline", lambda r: times(r["relative_throughput"])),
+]
+
+
+def sweep_table(rows: list[dict[str, Any]], mode: str) -> str:
+    """The results as a plain-text table, one line per point."""
+    return format_table(rows, LADDER_COLUMNS if mode == "ladder" else SCALING_COLUMNS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Curves in MLflow
+
+
+def _log_curves(run: StudyRun, rows: list[dict[str, Any]], mode: str) -> None:
+    """Curves on the parent (``<key>/<series>`` at step = chips) and derived figures on each child."""
+    tracker = run.tracker
+    ok = [r for r in rows if r["status"] in ("done", "reused")]
+    for row in ok:
+        if row["run_id"]:
+            tracker.log_metrics(row["run_id"], {k: row[k] for k in DERIVED_KEYS}, step=row["world_size"])
+    if mode == "ladder":
+        for i, row in enumerate(rows):
+            if row["status"] in ("done", "reused"):
+                # One chart of the whole ladder: step = rung number.
+                tracker.log_metrics(run.parent_id, {"relative_throughput": row["relative_throughput"],
+                                                    "ladder_tflops_per_chip": row["tflops_per_chip"]}, step=i)
+        return
+    for row in ok:
+        tracker.log_metrics(run.parent_id, {f"{k}/{row['series']}": row.get(k) for k in CURVE_KEYS},
+                            step=row["world_size"])
+
+
+def _log_curve_runs(run: StudyRun, rows: list[dict[str, Any]]) -> None:
+    ok = [r for r in rows if r["status"] in ("done", "reused")]
+    for series in dict.fromkeys(r["series"] for r in ok):
+        mine = [r for r in ok if r["series"] == series]
+        curves = {k: {r["world_size"]: r.get(k) for r in mine} for k in CURVE_KEYS}
+        shared = {k: mine[0].get(k) for k in ("model", "image_size", "batch_per_chip", "precision",
+                                              "accelerator") if mine[0].get(k) is not None}
+        run.tracker.log_curve_run(series, curves, {"strategy": series, **shared})
+
+
+def print_summary(report: Report, out: Callable[[str], None] = print) -> None:
+    """The results table, the failures, and how to browse the runs."""
+    out("")
+    out(sweep_table(report.rows, report.kind))
+    print_failures(report, out)
+    reused = sum(o.status == "reused" for o in report.outcomes)
+    ran = sum(o.status == "done" for o in report.outcomes)
+    out(f"\n{ran} points ran, {reused} reused, {len(report.failed)} failed.")
+    if report.failed:
+        out(f"rerun the failed points with: --name {report.name}")
+    print_where(report, out)
+
+
+__all__ = ["DERIVED_KEYS", "CURVE_KEYS", "run_sweep", "rows_of", "add_derived", "sweep_table",
+           "print_summary", "fmt"]
