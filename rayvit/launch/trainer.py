@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 if "ray" not in sys.modules:
     # A fresh local instance turns token authentication on and warns about it; saying so explicitly keeps
@@ -32,6 +32,7 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict, rayvit_home
+from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import resources_for, worker_bundle
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
@@ -145,13 +146,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     checkpoint = ray.train.get_checkpoint()
     with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
         result = train(cfg, device=device, dataset_shards=shards if shards["train"] is not None else None,
-                       report=report, resume_from=resume_from)
+                       report=report, resume_from=resume_from, on_step=config.get("progress"))
     return result.to_dict()
 
 
-def build_trainer(cfg: Config, *, datasets: Optional[dict] = None,
-                  run_config: Optional[RunConfig] = None) -> TorchTrainer:
-    """A ``TorchTrainer`` for ``cfg``: one worker per chip, gloo on CPU and nccl on GPU."""
+def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
+                  progress: Optional[Callable] = None) -> TorchTrainer:
+    """A ``TorchTrainer`` for ``cfg``: one worker per chip, gloo on CPU and nccl on GPU.
+
+    ``progress`` is called by every worker after every step (see :mod:`rayvit.launch.progress`).
+    """
     p, t = cfg.parallel, cfg.train
     resources = worker_bundle(cfg)
     scaling = ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=resources,
@@ -167,18 +171,25 @@ def build_trainer(cfg: Config, *, datasets: Optional[dict] = None,
         from rayvit.data import ray_datasets
 
         datasets = ray_datasets(cfg)
-    return TorchTrainer(train_loop_per_worker, train_loop_config={"rayvit": cfg.to_dict()},
+    return TorchTrainer(train_loop_per_worker, train_loop_config={"rayvit": cfg.to_dict(), "progress": progress},
                         scaling_config=scaling, torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
                         run_config=run_config, datasets=datasets)
 
 
-def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None) -> RunResult:
-    """Run ``cfg`` on Ray Train and return rank 0's summary. Starts or attaches to Ray as needed."""
+def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
+        on_progress: Optional[Callable[[dict], None]] = None) -> RunResult:
+    """Run ``cfg`` on Ray Train and return rank 0's summary. Starts or attaches to Ray as needed.
+
+    ``on_progress`` receives rank 0's figures (step, steps, loss, images/s per chip) about once a second.
+    """
     ensure_ray()
     check_cluster_fits([cfg])
-    trainer = build_trainer(cfg, datasets=datasets, run_config=run_config)
+    channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
+    trainer = build_trainer(cfg, datasets=datasets, run_config=run_config,
+                            progress=channel.poster() if on_progress else None)
     try:
-        result = trainer.fit()
+        with channel:
+            result = trainer.fit()
     except Exception as e:  # Ray raises its own wrappers; keep the cause readable
         raise TrainingError(f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers failed: "
                             f"{_root_cause(e)}") from e

@@ -10,6 +10,7 @@ whose measured settings are unchanged.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -75,13 +76,48 @@ def clock(seconds: float) -> str:
 
 
 class Progress:
-    """``[i/n] what is running, elapsed, an estimate of what is left`` lines."""
+    """``[i/n] what is running, elapsed, an estimate of what is left`` lines, and a live step count.
 
-    def __init__(self, total: int, out: Out):
+    On a terminal the step count rewrites one line in place; in a log (``ray job logs``, a pipe) it is
+    a line when training starts and then at most every ``log_interval_s``.
+    """
+
+    def __init__(self, total: int, out: Out, tty: Optional[bool] = None, log_interval_s: float = 10.0):
         self.total = total
         self.out = out
         self.start = time.monotonic()
         self.durations: list[float] = []
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.log_interval_s = log_interval_s
+        self._live_shown = False
+
+    def live(self, point: Point) -> Callable[[dict], None]:
+        """A callback for rank 0's progress items (:func:`rayvit.launch.trainer.fit`'s ``on_progress``)."""
+        first: dict[str, float] = {}
+        state = {"printed": 0.0}
+
+        def show(item: dict) -> None:
+            first.setdefault("step", item["step"])
+            first.setdefault("time", item["time"])
+            done = item["step"] - first["step"]
+            rate = done / (item["time"] - first["time"]) if done and item["time"] > first["time"] else None
+            eta = f", about {clock((item['steps'] - item['step']) / rate)} left" if rate else ""
+            line = (f"{self.tag(point)} {point.key}: step {item['step']}/{item['steps']}, loss {item['loss']:.4g}, "
+                    f"{fmt(item.get('images_per_sec_per_chip'), '.1f')} img/s/chip{eta}")
+            if self.tty:
+                sys.stdout.write("\r\033[K" + line)
+                sys.stdout.flush()
+                self._live_shown = True
+            elif not state["printed"] or time.monotonic() - state["printed"] >= self.log_interval_s:
+                state["printed"] = time.monotonic()
+                self.out(line)
+        return show
+
+    def _clear_live(self) -> None:
+        if self._live_shown:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+            self._live_shown = False
 
     def tag(self, point: Point) -> str:
         return f"[{point.index if point.index else point.key}/{self.total}]"
@@ -94,6 +130,7 @@ class Progress:
                  f"{clock(time.monotonic() - self.start)}, {eta}")
 
     def end(self, outcome: Outcome) -> None:
+        self._clear_live()
         p = outcome.point
         if outcome.status == "done":
             self.durations.append(outcome.seconds)
@@ -142,7 +179,8 @@ class StudyRun:
                                             config_yaml=self.study.to_yaml())
         return self.parent_id
 
-    def run_point(self, point: Point, fit: Callable[[Config], RunResult], tags: Mapping[str, Any]) -> Outcome:
+    def run_point(self, point: Point, fit: Callable[..., RunResult], tags: Mapping[str, Any],
+                  progress: Optional[Progress] = None) -> Outcome:
         """Train ``point`` in a child run of its own; an error is recorded and returned, Ctrl-C raised."""
         from rayvit.launch.trainer import TrainingError
 
@@ -150,7 +188,7 @@ class StudyRun:
         start = time.monotonic()
         with _sigint_restored():
             try:
-                result = fit(point.cfg)
+                result = fit(point.cfg, on_progress=progress.live(point) if progress else None)
             except (KeyboardInterrupt, SystemExit) as e:
                 self.tracker.fail_point(run_id, f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)",
                                         status="KILLED")

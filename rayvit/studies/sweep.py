@@ -68,7 +68,7 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
                     out(f"{progress.tag(point)} {point.key}: its settings changed since run "
                         f"{run.changed_since(point)}; running it again")
                 progress.begin(point, len(points) - i)
-                outcome = run.run_point(point, fit, _point_tags(point, mode))
+                outcome = run.run_point(point, fit, _point_tags(point, mode), progress)
             outcomes.append(outcome)
             progress.end(outcome)
             _log_curves(run, rows_of(outcomes, mode), mode)

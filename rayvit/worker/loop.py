@@ -256,8 +256,12 @@ ReportHook = Callable[[dict, Session], None]
 
 
 def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards: Optional[dict] = None,
-          report: Optional[ReportHook] = None, resume_from: Optional[str] = None) -> RunResult:
-    """Run ``cfg.train.steps`` optimizer steps on this worker and return the run's summary."""
+          report: Optional[ReportHook] = None, resume_from: Optional[str] = None,
+          on_step: Optional[Callable[[Session], None]] = None) -> RunResult:
+    """Run ``cfg.train.steps`` optimizer steps on this worker and return the run's summary.
+
+    ``on_step(session)`` runs after every step, outside its timed window (live progress).
+    """
     start = time.perf_counter()
     session = Session(cfg, device, dataset_shards=dataset_shards)
     try:
@@ -271,6 +275,8 @@ def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards:
                     and session.rank == t.fail_rank:
                 raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
             loss = session.train_step()
+            if on_step:
+                on_step(session)
             last = session.step == t.steps
             if t.eval_every and (session.step % t.eval_every == 0) and not last:
                 session.evaluate()

@@ -1,0 +1,95 @@
+"""Live progress of a Ray Train run on the driver: rank 0 posts each step's figures, the driver reads them.
+
+Ray Train's reports cost a health-check tick each, so they are made every ``train.report_every`` steps;
+progress wants every step. Rank 0 posts to a small actor without waiting for an answer, after the step's
+clock has stopped and at most once a second, so the timed window never sees it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import ray
+
+if TYPE_CHECKING:
+    from rayvit.worker import Session
+
+Item = dict[str, Any]
+
+
+class _Board:
+    """The actor between rank 0 and the driver: the latest items, taken in order."""
+
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+
+    def post(self, item: Item) -> None:
+        self.items.append(item)
+
+    def take(self) -> list[Item]:
+        items, self.items = self.items, []
+        return items
+
+
+class StepPoster:
+    """The worker's side (picklable): called after every step, posts from rank 0 at most every ``interval_s``."""
+
+    def __init__(self, board, interval_s: float = 1.0) -> None:
+        self.board = board
+        self.interval_s = interval_s
+        self._next = 0.0
+
+    def __call__(self, session: "Session") -> None:
+        last = session.step >= session.cfg.train.steps
+        if session.rank != 0 or (time.monotonic() < self._next and not last):
+            return
+        self._next = time.monotonic() + self.interval_s
+        window = session.step_times[-10:]
+        self.board.post.remote({
+            "step": session.step, "steps": session.cfg.train.steps, "loss": session.history[-1]["loss"],
+            "restarts": session.restarts, "time": time.time(),
+            "images_per_sec_per_chip": session.cfg.train.batch_size * len(window) / sum(window) if window else None})
+
+
+class ProgressChannel:
+    """The driver's side: a board actor for one run and a thread handing its items to ``on_progress``."""
+
+    def __init__(self, on_progress: Callable[[Item], None], interval_s: float = 0.5) -> None:
+        # No CPU: it must never take a CPU from the training workers (nor need one on a 0-CPU head).
+        self.board = ray.remote(num_cpus=0)(_Board).remote()
+        self.on_progress = on_progress
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def poster(self) -> StepPoster:
+        return StepPoster(self.board)
+
+    def _drain(self) -> None:
+        for item in ray.get(self.board.take.remote()):
+            self.on_progress(item)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._drain()
+            except Exception:  # noqa: BLE001 - progress is a courtesy: never fail a run over it
+                return
+
+    def __enter__(self) -> "ProgressChannel":
+        self._thread = threading.Thread(target=self._watch, name="rayvit-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001
+            pass
+        ray.kill(self.board)
+        return False
