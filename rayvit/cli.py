@@ -81,6 +81,9 @@ def _common(parser: argparse.ArgumentParser, default_config: Path, what: str) ->
     parser.add_argument("--name", help=f"{what} name (the MLflow parent run); an existing name resumes it")
     parser.add_argument("--address", help="Ray cluster to attach to (default: $RAY_ADDRESS, as set by "
                                           "`ray job submit`; else a local instance)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show Ray's worker and controller output as it comes (by default it goes to "
+                             "~/.rayvit/logs/<name>.log; warnings and errors still show, once each)")
 
 
 def sweep_parser(prog: str) -> argparse.ArgumentParser:
@@ -115,6 +118,9 @@ def _guarded(run: Callable[[], int], interrupted: str) -> int:
     from rayvit.record.tracking import TrackingError
     from rayvit.studies.search import BaselineFailed
 
+    from rayvit.launch.console import quiet_loggers
+
+    quiet_loggers()
     try:
         return run()
     except (ConfigError, TrackingError, ClusterTooSmall, BaselineFailed) as e:
@@ -140,7 +146,8 @@ def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
             print(describe_plan(study, points))
             return 0
         experiment = args.experiment or study.tracking.experiment or Path(args.config).stem
-        report = run_sweep(study, experiment=experiment, address=args.address)
+        report = run_sweep(study, experiment=experiment, address=args.address,
+                           ray_log="verbose" if args.verbose else "quiet")
         print_summary(report)
         return report.exit_code
 
@@ -158,7 +165,8 @@ def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
         plan_search(study)     # bad input fails here, before Ray or MLflow start
         from rayvit.studies.search import print_summary, run_search
 
-        report = run_search(study, experiment=args.experiment, output=args.output, address=args.address)
+        report = run_search(study, experiment=args.experiment, output=args.output, address=args.address,
+                            ray_log="verbose" if args.verbose else "quiet")
         print_summary(report)
         return report.exit_code
 

@@ -107,3 +107,23 @@ class PlacementGroupReleaser(_tune_callback()):
                 return
             time.sleep(0.5)
         logger.warning("placement groups of this search are still reserved after %.0f s", timeout_s)
+
+
+def route_worker_output(handler, keep_ray_printer: bool = False) -> bool:
+    """Hand the worker and controller output Ray forwards to this driver to ``handler(batch)`` instead of
+    printing it (``batch``: Ray's dict with ``lines``, ``pid``, ``actor_name``, ``is_err``).
+
+    Ray offers only all (``log_to_driver=True``) or nothing (``False``, and then a worker's warnings are
+    lost to the console too); the driver-side dispatcher it prints through is private (Ray 2.4x-2.60:
+    ``ray._private.ray_logging.global_worker_stdstream_dispatcher``). Returns False, changing nothing,
+    when this Ray has no such dispatcher.
+    """
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    if not keep_ray_printer:
+        dispatcher.remove_handler("ray_print_logs")
+    dispatcher.remove_handler("rayvit_worker_output")
+    dispatcher.add_handler("rayvit_worker_output", handler)
+    return True

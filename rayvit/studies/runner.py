@@ -102,8 +102,9 @@ class Progress:
             done = item["step"] - first["step"]
             rate = done / (item["time"] - first["time"]) if done and item["time"] > first["time"] else None
             eta = f", about {clock((item['steps'] - item['step']) / rate)} left" if rate else ""
-            line = (f"{self.tag(point)} {point.key}: step {item['step']}/{item['steps']}, loss {item['loss']:.4g}, "
-                    f"{fmt(item.get('images_per_sec_per_chip'), '.1f')} img/s/chip{eta}")
+            rate_text = fmt(item.get("images_per_sec_per_chip"), ".1f")
+            line = (f"{self.tag(point)} {point.key}: step {item['step']}/{item['steps']}, loss {item['loss']:.4g}"
+                    + (f", {rate_text} img/s/chip" if rate_text != "-" else "") + eta)
             if self.tty:
                 sys.stdout.write("\r\033[K" + line)
                 sys.stdout.flush()
@@ -256,6 +257,20 @@ class _sigint_restored:
         if self.handler is not None:
             signal.signal(signal.SIGINT, self.handler)
         return False
+
+
+def attach_ray(address: Optional[str], name: str, ray_log: Optional[str], out: Out) -> None:
+    """Start or attach to Ray; with ``ray_log`` (``quiet`` or ``verbose``) route its workers' output to
+    a log file named after the study and say where it is."""
+    from rayvit.config import rayvit_home
+    from rayvit.launch.console import quiet_ray
+    from rayvit.launch.trainer import ensure_ray
+
+    ensure_ray(address)
+    if ray_log:
+        path = quiet_ray(rayvit_home() / "logs" / f"{name}.log", verbose=ray_log == "verbose")
+        if path and ray_log == "quiet":
+            out(f"Ray's worker and controller output: {path} (--verbose shows it here)")
 
 
 def print_failures(report: Report, out: Out) -> None:

@@ -40,7 +40,7 @@ from rayvit.results import RunResult
 from rayvit.studies.judge import (Verdict, accuracy_excess, best_outcome, is_divergence, judge, last_line,
                                   objective_value, speedup)
 from rayvit.studies.plan import Point, SearchPlan, plan_search, setting_label
-from rayvit.studies.runner import Outcome, Report, StudyRun, print_where
+from rayvit.studies.runner import Outcome, Report, StudyRun, attach_ray, print_where
 
 # What a trial's final tune.report carries besides the figures.
 STATUS_KEY = "rayvit_status"      # done | diverged | failed (absent: stopped before its final report)
@@ -272,13 +272,14 @@ def concurrency(cfgs: list[Config], requested: int) -> int:
 
 
 def run_search(study: Study, *, experiment: Optional[str] = None, output: Optional[str | Path] = None,
-               address: Optional[str] = None, out: Callable[[str], None] = print) -> SearchReport:
+               address: Optional[str] = None, out: Callable[[str], None] = print,
+               ray_log: Optional[str] = None) -> SearchReport:
     """Run (or resume) the search ``study.search`` describes; see the module docstring for the steps.
 
     Raises ``ConfigError``, ``TrackingError`` or ``ClusterTooSmall`` before anything trains, and
     ``BaselineFailed`` if the baseline cannot give a reference accuracy.
     """
-    from rayvit.launch.trainer import check_cluster_fits, ensure_ray, fit
+    from rayvit.launch.trainer import check_cluster_fits, fit
 
     start = time.monotonic()
     name = study.search.name or default_search_name()
@@ -286,7 +287,7 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
     plan, s = plan_search(study), study.search
     experiment = experiment or study.tracking.experiment or DEFAULT_EXPERIMENT
     run = StudyRun(study, name, experiment, kind="search")
-    ensure_ray(address)
+    attach_ray(address, name, ray_log, out)
     trial_cfgs = [plan.baseline.cfg] + [plan.trial(0, "", o).cfg for o in plan.settings]
     check_cluster_fits(trial_cfgs)
     parallel = concurrency(trial_cfgs, s.max_concurrent_trials)

@@ -15,10 +15,10 @@ from typing import Any, Callable, Optional
 
 from rayvit.config import Study
 from rayvit.record import plots
-from rayvit.record.tables import Column, cell, fmt, format_table, number, times, write_parquet
+from rayvit.record.tables import Column, cell, format_table, number, times, write_parquet
 from rayvit.results import METRIC_KEYS
 from rayvit.studies.plan import Point, plan
-from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, print_failures, print_where
+from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, attach_ray, print_failures, print_where
 
 # Per point figures derived across points (absent where their reference point is missing).
 DERIVED_KEYS = ("speedup_vs_ddp", "scaling_efficiency", "relative_throughput")
@@ -32,14 +32,15 @@ def default_sweep_name(study: Study) -> str:
 
 
 def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Optional[str] = None,
-              out: Callable[[str], None] = print) -> Report:
+              out: Callable[[str], None] = print, ray_log: Optional[str] = None) -> Report:
     """Run (or resume) the sweep ``study`` describes; one child run per point under one parent run.
 
     Raises ConfigError, ClusterTooSmall or TrackingError before any point runs; a point that fails is
     recorded and the sweep goes on (``Report.exit_code`` is then 1). Ctrl-C marks the running point and
-    the sweep KILLED, so a rerun of the same name picks up from there.
+    the sweep KILLED, so a rerun of the same name picks up from there. ``ray_log``: see
+    :func:`~rayvit.studies.runner.attach_ray`.
     """
-    from rayvit.launch.trainer import check_cluster_fits, ensure_ray, fit
+    from rayvit.launch.trainer import check_cluster_fits, fit
 
     name = study.sweep.name or default_sweep_name(study)
     study = study.replace({"sweep.name": name})
@@ -49,7 +50,7 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
     todo = [p for p in points if run.reusable(p) is None]
     if todo:
-        ensure_ray(address)
+        attach_ray(address, name, ray_log, out)
         check_cluster_fits([p.cfg for p in todo])
 
     parent = run.start(_sweep_tags(study, points))
@@ -231,6 +232,3 @@ def print_summary(report: Report, out: Callable[[str], None] = print) -> None:
         out(f"rerun the failed points with: --name {report.name}")
     print_where(report, out)
 
-
-__all__ = ["DERIVED_KEYS", "CURVE_KEYS", "run_sweep", "rows_of", "add_derived", "sweep_table",
-           "print_summary", "fmt"]
