@@ -219,31 +219,58 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _mb(value: Any) -> Optional[float]:
+    value = _num(value)
+    return None if value is None else value / 2**20
+
+
+def _device_columns(rows: list[dict[str, Any]]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """Peak memory per rank (max over ranks); on GPU also the reserved peak, utilisation and power."""
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("peak MB/rank", lambda r: _fmt(_mb(r.get("peak_memory_bytes_per_rank")), ".1f"))]
+    optional = [("reserved MB/rank", "peak_memory_reserved_bytes_per_rank", lambda v: _fmt(_mb(v), ".1f")),
+                ("GPU util", "gpu_utilization_pct", lambda v: _fmt(v, ".0f") + ("%" if _num(v) is not None else "")),
+                ("W/GPU", "gpu_power_w", lambda v: _fmt(v, ".0f"))]
+    for title, key, fmt in optional:
+        if any(_num(r.get(key)) is not None for r in rows):
+            columns.append((title, lambda r, key=key, fmt=fmt: fmt(r.get(key))))
+    return columns
+
+
 def format_table(rows: list[dict[str, Any]], mode: str) -> str:
     """The results as a plain-text table, one line per point."""
+    device = _device_columns(rows)
     if mode == "ladder":
         header = ["rung", "status", "chips", "strategy", "precision", "img px", "img/s/chip",
-                  "TFLOPS/chip", "MFU", "vs baseline"]
+                  "TFLOPS/chip", "MFU", "vs baseline", *(title for title, _ in device)]
         lines = [[r["series"], r["status"], str(r["world_size"]), r["strategy"], str(r.get("precision") or "-"),
                   str(r.get("image_size") or "-"), _fmt(r["images_per_sec_per_chip"], ".1f"),
                   _fmt(r["tflops_per_chip"], ".4g"), _fmt(r["mfu"], ".1%"),
-                  _fmt(r["relative_throughput"], ".2f") + ("x" if r["relative_throughput"] else "")]
+                  _fmt(r["relative_throughput"], ".2f") + ("x" if r["relative_throughput"] else ""),
+                  *(cell(r) for _, cell in device)]
                  for r in rows]
     else:
         header = ["point", "status", "chips", "img/s/chip", "TFLOPS/chip", "MFU", "vs DDP", "scaling eff.",
-                  "state MB/rank", "time s"]
+                  "state MB/rank", *(title for title, _ in device), "time s"]
         lines = [[r["point"], r["status"], str(r["world_size"]), _fmt(r["images_per_sec_per_chip"], ".1f"),
                   _fmt(r["tflops_per_chip"], ".4g"), _fmt(r["mfu"], ".1%"),
                   _fmt(r["speedup_vs_ddp"], ".2f") + ("x" if r["speedup_vs_ddp"] else ""),
                   _fmt(r["scaling_efficiency"], ".0%"),
                   _fmt((_num(r["model_state_bytes_per_rank"]) or math.nan) / 2**20, ".1f"),
+                  *(cell(r) for _, cell in device),
                   _fmt(r["seconds"], ".0f")] for r in rows]
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
               for i, h in enumerate(header)]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
            "  ".join("-" * w for w in widths)]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
+    if any(r.get("memory_measure") == "process_rss" for r in rows):
+        out.append("peak MB/rank on CPU: the worker process's peak resident set, Python and libraries included")
     return "\n".join(out)
+
+
+def _is_number_or_none(value: Any) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
 def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
@@ -257,9 +284,13 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
             columns.setdefault(key, [])
     for key in columns:
         values = [row.get(key) for row in rows]
-        # A column of mixed scalar types (e.g. ints and None and floats) stores as float; anything
-        # non-scalar (lists) as JSON text, so every column has one arrow type.
-        if any(isinstance(v, (list, dict)) for v in values):
+        # A column of mixed scalar types (e.g. ints and None and floats) stores as float; lists of numbers
+        # (per-rank figures) as lists of floats; anything else non-scalar as JSON text, so every column
+        # has one arrow type.
+        if any(isinstance(v, list) for v in values) and all(
+                v is None or (isinstance(v, list) and all(_is_number_or_none(x) for x in v)) for v in values):
+            values = [None if v is None else [_num(x) for x in v] for v in values]
+        elif any(isinstance(v, (list, dict)) for v in values):
             values = [None if v is None else json.dumps(v, default=str) for v in values]
         elif any(isinstance(v, float) for v in values) and all(
                 v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
