@@ -13,6 +13,8 @@ Checks, each PASS or FAIL with its reason:
                allowed, for raw tensors and for the ViT's attention in both layouts; and whether SDPA's
                own choice was a flash kernel (profiler)
   compile      (--compile) a torch.compile'd training run, same criteria
+  nvml         a training run's NVML sampler reports utilisation and power over its timed window, and
+               peak allocated <= reserved memory, per rank and as the run's figures
 Then the ladder (rayvit.sweep.plan_ladder) at world size 1: baseline (DDP, amp or fp32, token
 classifier, batch-first, loop AdamW, 224 px) -> +mixed precision -> +FSDP -> +MTA optimizer ->
 +pooled classifier -> +batch-second -> +256 px -> +full half precision, with per-chip TFLOPS, MFU
@@ -191,6 +193,36 @@ def check_flash(device) -> str:
     return f"{forced}; SDPA picks {flash[0][:60]} by itself"
 
 
+def check_nvml_sampler(device) -> str:
+    """A short training run reports its GPU's utilisation and power (NVML, sampled beside training)."""
+    import pynvml  # noqa: F401 - without nvidia-ml-py the figures are absent: say so, not "no readings"
+
+    from rayvit.worker import train
+
+    # Long enough for a few dozen readings at 0.1 s (the small ViT steps in milliseconds on big GPUs).
+    cfg = small_config({"train.warmup_steps": 20}, steps=600)
+    result = train(cfg, device=device)
+    m, per_rank = result.metrics, result.per_rank
+    missing = [k for k in ("gpu_utilization_pct", "gpu_power_w", "gpu_samples", "peak_memory_reserved_bytes_per_rank")
+               if k not in m]
+    if missing:
+        raise RuntimeError(f"figures missing: {missing}; has {sorted(m)}")
+    if not m["gpu_samples"] >= 3:
+        raise RuntimeError(f"only {m['gpu_samples']:.0f} NVML readings in the timed window")
+    if not (0 < m["gpu_utilization_pct"] <= 100 and 0 < m["gpu_power_w"] < 2000):
+        raise RuntimeError(f"implausible readings: {m['gpu_utilization_pct']}% at {m['gpu_power_w']} W")
+    if not 0 < m["peak_memory_bytes_per_rank"] <= m["peak_memory_reserved_bytes_per_rank"]:
+        raise RuntimeError(f"peak allocated {m['peak_memory_bytes_per_rank']} > reserved "
+                           f"{m['peak_memory_reserved_bytes_per_rank']}")
+    if [len(per_rank.get(k, [])) for k in ("peak_memory_bytes", "peak_memory_reserved_bytes",
+                                           "gpu_utilization_pct", "gpu_power_w")] != [1, 1, 1, 1]:
+        raise RuntimeError(f"per-rank figures not one per rank: {per_rank}")
+    return (f"{m['gpu_utilization_pct']:.0f}% util, {m['gpu_power_w']:.0f} W over {m['gpu_samples']:.0f} "
+            f"readings ({m['timed_steps']:.0f} timed steps, {m['step_time_p50_s'] * 1e3:.1f} ms each), peak "
+            f"{m['peak_memory_bytes_per_rank'] / 2**20:.0f} MiB allocated / "
+            f"{m['peak_memory_reserved_bytes_per_rank'] / 2**20:.0f} MiB reserved")
+
+
 def run_checks(device, *, compile_: bool, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every functional check, in order; a failure is recorded and the next check runs."""
     checks: list[tuple[str, Callable[[], str]]] = [("nccl all-reduce (1 rank)", partial(check_nccl, device))]
@@ -208,6 +240,7 @@ def run_checks(device, *, compile_: bool, out: Callable[[str], None]) -> list[di
         checks.append((name, partial(check_training, device, {"parallel.strategy": strategy,
                                                               "precision.mode": mode, "precision.dtype": dtype})))
     checks.append(("flash attention (SDPA)", partial(check_flash, device)))
+    checks.append(("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)))
     if compile_:
         checks.append(("torch.compile (ddp, amp-bf16)", partial(
             check_training, device, {"train.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"})))

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# Numeric figures every summary holds (val_accuracy only when the data has a validation split).
+# Numeric figures a summary holds (val_accuracy only when the data has a validation split; the reserved
+# memory and gpu_* figures only on CUDA, gpu_* only with NVML: absent elsewhere, never zero).
 METRIC_KEYS = (
     "images_per_sec",              # global, all chips
     "images_per_sec_per_chip",
@@ -15,7 +16,21 @@ METRIC_KEYS = (
     "step_time_p50_s",
     "step_time_p90_s",
     "model_state_bytes_per_rank",  # parameters + gradients + optimizer state actually held (max over ranks)
-    "peak_memory_bytes_per_rank",  # max over ranks
+    # Peak memory of the busiest rank: on CUDA the most bytes tensors held at once
+    # (torch.cuda.max_memory_allocated); on CPU the worker process's peak resident set (ru_maxrss), which
+    # includes Python and libraries. The condition ``memory_measure`` says which ("cuda_allocated" /
+    # "process_rss"); each rank's own figure is in RunResult.per_rank["peak_memory_bytes"].
+    "peak_memory_bytes_per_rank",
+    "peak_memory_reserved_bytes_per_rank",  # CUDA only: max over ranks of torch.cuda.max_memory_reserved
+                                            # (allocated + the caching allocator's cache: what runs out)
+    # CUDA with NVML (nvidia-ml-py) only, absent elsewhere. Each GPU is read every 0.1 s during the timed
+    # (post-warm-up) steps, between-step work (reports, checkpoints, evaluations) left out; each rank's
+    # mean over those readings, then across ranks:
+    "gpu_utilization_pct",         # mean over ranks of NVML utilisation: % of time a kernel was running
+    "gpu_utilization_pct_max",     # the busiest rank's
+    "gpu_power_w",                 # mean over ranks of the board power draw, watts per GPU
+    "gpu_power_w_max",             # the hungriest rank's
+    "gpu_samples",                 # the fewest readings any rank averaged (a handful: a short window)
     "final_loss",
     "val_accuracy",
     "epoch_time_imagenet_h",       # 1,281,167 images at the measured global rate
@@ -25,10 +40,20 @@ METRIC_KEYS = (
     "wall_time_s",                 # the whole loop on rank 0, warm-up and evaluation included
 )
 
+# Figures kept per rank (RunResult.per_rank: one value per rank, rank 0 first, None where a rank has
+# none), absent when no rank has the figure. As a table column or MLflow metric: ``<name>_by_rank``
+# (MLflow: one metric logged with step = rank; the run's figures above are the ones to filter on).
+PER_RANK_KEYS = (
+    "peak_memory_bytes",           # as peak_memory_bytes_per_rank, this rank's
+    "peak_memory_reserved_bytes",  # CUDA only
+    "gpu_utilization_pct",         # CUDA + NVML only
+    "gpu_power_w",                 # CUDA + NVML only
+)
+
 # Conditions every figure is stated with.
 CONDITION_KEYS = (
     "model", "image_size", "batch_per_chip", "precision", "strategy", "world_size", "accelerator",
-    "torch_version", "ray_version", "fairscale_version", "rayvit_version", "data",
+    "torch_version", "ray_version", "fairscale_version", "rayvit_version", "data", "memory_measure",
 )
 
 
@@ -42,6 +67,7 @@ class RunResult:
     evals: list[dict[str, float]] = field(default_factory=list)     # {"step", "val_accuracy", "val_loss"}
     config: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    per_rank: dict[str, list[Optional[float]]] = field(default_factory=dict)  # PER_RANK_KEYS -> by rank
 
     def __getitem__(self, key: str) -> Any:
         if key in self.metrics:
@@ -55,8 +81,8 @@ class RunResult:
             return default
 
     def row(self) -> dict[str, Any]:
-        """One flat row (conditions + metrics) for result tables."""
-        return {**self.conditions, **self.metrics}
+        """One flat row (conditions + metrics + ``<key>_by_rank`` lists) for result tables."""
+        return {**self.conditions, **self.metrics, **{f"{k}_by_rank": list(v) for k, v in self.per_rank.items()}}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

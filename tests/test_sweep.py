@@ -175,6 +175,12 @@ def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store
     assert "[1/6] running ddp @ 1 worker" in out and "[6/6] running fairscale_oss @ 2 workers" in out
     assert re.search(r"\[2/6\] running .*elapsed 0:\d\d, about \d+:\d\d left", out)
     assert re.search(r"^fsdp/w2\s+done\s+2\s", out, re.M)
+    # The table's peak memory per rank (max over ranks, MiB; the process's resident set on CPU).
+    lines = out.splitlines()
+    titles = re.split(r"\s{2,}", next(line for line in lines if line.startswith("point ")).strip())
+    fsdp2 = re.split(r"\s{2,}", next(line for line in lines if line.startswith("fsdp/w2 ")).strip())
+    assert "peak MB/rank" in titles and float(fsdp2[titles.index("peak MB/rank")]) > 50
+    assert "peak MB/rank on CPU: the worker process's peak resident set" in out
     assert "6 points ran, 0 reused, 0 failed" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{store[0]}/mlflow.db" in out
 
@@ -199,6 +205,11 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert [m.step for m in client.get_metric_history(child.info.run_id, "tflops_per_chip")] == [n]
         # ... and the per-step history of the run itself.
         assert len(client.get_metric_history(child.info.run_id, "loss")) == 6
+        # Peak memory: the max over ranks, each rank's at step = rank; no GPU figures on CPU.
+        by_rank = client.get_metric_history(child.info.run_id, "peak_memory_bytes_by_rank")
+        assert sorted(m.step for m in by_rank) == list(range(n))
+        assert child.data.metrics["peak_memory_bytes_per_rank"] == max(m.value for m in by_rank)
+        assert not [k for k in child.data.metrics if k.startswith("gpu_")]
     # Curves on the parent: one history per strategy, step = number of chips.
     pid = parent.info.run_id
     for strategy in ("ddp", "fsdp", "fairscale_oss"):
@@ -219,6 +230,9 @@ def test_default_sweep_store(default_sweep, tmp_path):
     ddp = {r["world_size"]: r for r in rows if r["strategy"] == "ddp"}
     for r in rows:
         assert r["speedup_vs_ddp"] == pytest.approx(r["tflops_per_chip"] / ddp[r["world_size"]]["tflops_per_chip"])
+        assert len(r["peak_memory_bytes_by_rank"]) == r["world_size"]
+        assert r["peak_memory_bytes_per_rank"] == max(r["peak_memory_bytes_by_rank"]) > 50 * 2**20
+        assert r["gpu_utilization_pct"] is None and r["memory_measure"] == "process_rss"
     png = Path(client.download_artifacts(pid, "scaling.png", str(tmp_path)))
     assert png.read_bytes()[:4] == b"\x89PNG"
 

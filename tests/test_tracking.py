@@ -6,6 +6,7 @@ import socket
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
@@ -21,20 +22,36 @@ from rayvit.studies.sweep import rows_of, sweep_table
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def make_result(strategy: str, world_size: int, tflops: float, images_per_chip: float) -> RunResult:
-    """A RunResult as the trainer returns it, with chosen figures (inputs for the code under test)."""
+def make_result(strategy: str, world_size: int, tflops: float, images_per_chip: float, gpu: bool = False) -> RunResult:
+    """A RunResult as the trainer returns it, with chosen figures (inputs for the code under test).
+
+    Peak memory per rank is 4e7, 5e7, ... bytes (max 5e7 at two ranks); ``gpu`` adds what a CUDA run with
+    NVML records (reserved memory, utilisation, power).
+    """
     metrics = {"images_per_sec": images_per_chip * world_size, "images_per_sec_per_chip": images_per_chip,
                "tflops_per_chip": tflops, "mfu": tflops / 2.0, "step_time_p50_s": 0.1, "step_time_p90_s": 0.12,
                "model_state_bytes_per_rank": 4e6 / (world_size if strategy != "ddp" else 1),
                "peak_memory_bytes_per_rank": 5e7, "final_loss": 1.5, "val_accuracy": None,
                "epoch_time_imagenet_h": 3.0, "train_flops_per_image": 1e9, "peak_tflops": 2.0,
                "timed_steps": 10, "wall_time_s": 4.0}
+    per_rank = {"peak_memory_bytes": [4e7 + 1e7 * r for r in range(world_size)]}
+    metrics["peak_memory_bytes_per_rank"] = max(per_rank["peak_memory_bytes"])
+    if gpu:
+        per_rank.update(peak_memory_reserved_bytes=[6e7 + 1e7 * r for r in range(world_size)],
+                        gpu_utilization_pct=[90.0 - 10 * r for r in range(world_size)],
+                        gpu_power_w=[400.0 - 50 * r for r in range(world_size)])
+        metrics.update(peak_memory_reserved_bytes_per_rank=max(per_rank["peak_memory_reserved_bytes"]),
+                       gpu_utilization_pct=sum(per_rank["gpu_utilization_pct"]) / world_size,
+                       gpu_utilization_pct_max=90.0, gpu_power_w=sum(per_rank["gpu_power_w"]) / world_size,
+                       gpu_power_w_max=400.0, gpu_samples=30.0)
     conditions = {"model": "custom", "image_size": 32, "batch_per_chip": 16, "precision": "fp32",
                   "strategy": strategy, "world_size": world_size, "accelerator": "cpu",
                   "torch_version": "2.13.0", "ray_version": "2.60.0", "fairscale_version": "0.4.13",
-                  "rayvit_version": "0.1.0", "data": "synthetic"}
+                  "rayvit_version": "0.1.0", "data": "synthetic",
+                  "memory_measure": "cuda_allocated" if gpu else "process_rss"}
     history = [{"step": s, "loss": 2.0 - 0.1 * s, "lr": 1e-3, "step_time_s": 0.1} for s in range(1, 6)]
-    return RunResult(metrics, conditions, history, config={"parallel": {"strategy": strategy}})
+    return RunResult(metrics, conditions, history, config={"parallel": {"strategy": strategy}},
+                     per_rank=per_rank)
 
 
 @pytest.fixture
@@ -110,6 +127,11 @@ def test_sweep_records_resume_and_failures(store, tmp_path, monkeypatch):
     assert child.data.metrics["tflops_per_chip"] == 0.5
     assert [m.step for m in client.get_metric_history(ok, "tflops_per_chip")] == [1]
     assert [m.step for m in client.get_metric_history(ok, "loss")] == [1, 2, 3, 4, 5]
+    # Memory: the max over ranks as a figure, each rank's at step = rank; a CPU run has no GPU figures.
+    assert child.data.metrics["peak_memory_bytes_per_rank"] == 4e7
+    assert [(m.step, m.value) for m in client.get_metric_history(ok, "peak_memory_bytes_by_rank")] == [(0, 4e7)]
+    assert child.data.tags["memory_measure"] == "process_rss"
+    assert not [k for k in child.data.metrics if k.startswith("gpu_") or "reserved" in k]
     failed = client.get_run(bad)
     assert failed.info.status == "FAILED"
     assert "gloo timed out" in failed.data.tags["rayvit.error"]
@@ -124,6 +146,7 @@ def test_sweep_records_resume_and_failures(store, tmp_path, monkeypatch):
     run_id, result, config_hash = done["ddp/w1"]
     assert (run_id, config_hash) == (ok, "hash-a")
     assert result.metrics == make_result("ddp", 1, 0.5, 100.0).metrics
+    assert result.per_rank == {"peak_memory_bytes": [4e7]}
     assert result.history[-1]["loss"] == pytest.approx(1.5)
     # Another sweep name in the same experiment is a different sweep.
     other = tracking.SweepTracker(store, "exp-a", "sweep-2")
@@ -183,8 +206,32 @@ def test_rows_parquet_and_figures(tmp_path):
         assert column in table.column_names
     assert table.column("status").to_pylist() == ["done", "done", "done", "failed"]
 
+    # Per-rank memory as a list column (one float per rank), the max as a plain column.
+    column_type = table.schema.field("peak_memory_bytes_by_rank").type
+    assert pa.types.is_list(column_type) and pa.types.is_float64(column_type.value_type)
+    assert table.column("peak_memory_bytes_by_rank").to_pylist() == [[4e7], [4e7], [4e7, 5e7], None]
+    assert table.column("peak_memory_bytes_per_rank").to_pylist() == [4e7, 4e7, 5e7, None]
+    assert table.column("gpu_utilization_pct").null_count == 4       # CPU: absent, not zero
+
     text = sweep_table(rows, "scaling")
     assert "fsdp/w1" in text and "1.20x" in text and "failed" in text
+    header, _, *lines = text.splitlines()
+    assert "peak MB/rank" in header and "GPU util" not in header and "reserved" not in header
+    assert "38.1" in lines[0] and "47.7" in lines[2]                  # 4e7 and 5e7 bytes in MiB
+    assert "resident set" in lines[-1]                                 # what the column means on CPU
+
+    # On GPUs: the reserved peak, utilisation and power per GPU too.
+    gpu_rows = rows_of([Outcome(o.point, "done", make_result(o.point.series, o.point.world_size, 0.5, 100.0,
+                                                             gpu=True), run_id="g", seconds=3)
+                        for o in outcomes[:3]], "scaling")
+    text = sweep_table(gpu_rows, "scaling")
+    header, _, *lines = text.splitlines()
+    for column in ("peak MB/rank", "reserved MB/rank", "GPU util", "W/GPU"):
+        assert column in header
+    assert lines[2].split()[-5:] == ["47.7", "66.8", "85%", "375", "3"] and len(lines) == 3
+    table = pq.read_table(write_parquet(gpu_rows, tmp_path / "gpu.parquet"))
+    assert table.column("gpu_power_w_by_rank").to_pylist()[2] == [400.0, 350.0]
+    assert table.column("gpu_utilization_pct").to_pylist() == [90.0, 90.0, 85.0]
 
     ok = [r for r in rows if r["status"] == "done"]
     png = plots.scaling_figure(ok, tmp_path / "scaling.png")
@@ -201,7 +248,8 @@ def test_ladder_rows_and_figure(tmp_path):
                 for p, t in zip(points, (0.5, 0.8, 0.9))]
     rows = rows_of(outcomes, "ladder")
     assert [round(r["relative_throughput"], 2) for r in rows] == [1.0, 1.6, 1.8]
-    assert "1.80x" in sweep_table(rows, "ladder")
+    ladder = sweep_table(rows, "ladder")
+    assert "1.80x" in ladder and "peak MB/rank" in ladder.splitlines()[0]
     png = plots.ladder_figure(rows, tmp_path / "ladder.png")
     assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
 
@@ -236,13 +284,23 @@ def test_sweep_records_through_a_tracking_server(tmp_path):
         t = tracking.SweepTracker(uri, "over-http", "s1")
         parent = t.start(params={"model.name": "custom"}, tags={}, config_yaml="a: 1\n")
         child = t.start_point("ddp/w2", "ddp/w2", "h", {"parallel.strategy": "ddp"}, {"strategy": "ddp"})
-        t.finish_point(child, make_result("ddp", 2, 0.4, 80.0), step=2)
+        t.finish_point(child, make_result("ddp", 2, 0.4, 80.0, gpu=True), step=2)
         t.log_metrics(parent, {"tflops_per_chip/ddp": 0.4}, step=2)
         t.end("FINISHED")
         again = tracking.SweepTracker(uri, "over-http", "s1")
         assert again.find_parent() == parent
         (run_id, result, _), = again.completed().values()
         assert run_id == child and result.metrics["tflops_per_chip"] == 0.4
+        # A GPU run's memory, utilisation and power: run figures at step = chips, each rank's at step = rank.
+        client = MlflowClient(uri)
+        logged = client.get_run(child).data.metrics
+        assert (logged["gpu_utilization_pct"], logged["gpu_utilization_pct_max"], logged["gpu_power_w"],
+                logged["gpu_power_w_max"], logged["peak_memory_reserved_bytes_per_rank"]) == (
+            85.0, 90.0, 375.0, 400.0, 7e7)
+        for key, values in result.per_rank.items():
+            history = client.get_metric_history(child, f"{key}_by_rank")
+            assert sorted((m.step, m.value) for m in history) == list(enumerate(values)), key
+        assert result.per_rank["gpu_power_w"] == [400.0, 350.0]
         assert (tmp_path / "arts").exists()  # artifacts went through the server, not to this directory
     finally:
         os.killpg(server.pid, signal.SIGTERM)

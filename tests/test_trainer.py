@@ -57,6 +57,12 @@ def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_stat
     assert results["fairscale_oss"]["model_state_bytes_per_rank"] < ddp_bytes
     for r in results.values():
         assert r["images_per_sec_per_chip"] > 0 and r["tflops_per_chip"] > 0 and 0 < r["mfu"]
+        # Each rank's peak memory (on CPU the worker process's resident set), gathered over gloo, and the max.
+        per_rank = r.per_rank["peak_memory_bytes"]
+        assert len(per_rank) == 2 and all(v > 50 * 2**20 for v in per_rank)
+        assert r["peak_memory_bytes_per_rank"] == max(per_rank) and r["memory_measure"] == "process_rss"
+        assert set(r.per_rank) == {"peak_memory_bytes"}                  # no GPU: nothing else, not zeros
+        assert not [k for k in r.metrics if k.startswith("gpu_") or "reserved" in k]
 
 
 def test_a_crashed_worker_resumes_from_its_checkpoint_with_continuous_history():

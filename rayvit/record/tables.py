@@ -48,7 +48,8 @@ def format_table(rows: Iterable[Row], columns: Sequence[Column]) -> str:
 
 
 def write_parquet(rows: Iterable[Row], path: str | Path) -> Path:
-    """One row per point, every key a column (lists and dicts as JSON text; a column of mixed types as text)."""
+    """One row per point, every key a column (lists of numbers as float lists, other lists and dicts as JSON
+    text, a column of mixed types as text)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -61,6 +62,10 @@ def write_parquet(rows: Iterable[Row], path: str | Path) -> Path:
 
 
 def _column(values: list[Any]) -> list[Any]:
+    if any(isinstance(v, list) for v in values) and all(v is None or (isinstance(v, list) and all(
+            x is None or number(x) is not None or isinstance(x, float) for x in v)) for v in values):
+        # Lists of numbers (per-rank figures) as lists of floats.
+        return [None if v is None else [None if x is None else float(x) for x in v] for v in values]
     if any(isinstance(v, (list, dict)) for v in values):
         return [None if v is None else json.dumps(v, default=str) for v in values]
     kinds = {type(v) for v in values if v is not None}

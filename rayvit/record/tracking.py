@@ -297,9 +297,15 @@ class SweepTracker:
         return run.info.run_id
 
     def finish_point(self, run_id: str, result: RunResult, step: int) -> None:
-        """Record a run's outcome: summary figures (at ``step`` = chips), per-step history, conditions."""
+        """Record a run's outcome: summary figures (at ``step`` = chips), per-step history, conditions.
+
+        Per-rank figures (``result.per_rank``) go in as ``<key>_by_rank`` with step = rank: one chart of
+        the figure against rank in the run's page.
+        """
         self._log(run_id, tags={k: v for k, v in result.conditions.items() if v is not None})
         self.log_metrics(run_id, result.metrics, step)
+        self._log_history(run_id, [(f"{key}_by_rank", value, rank) for key, values in result.per_rank.items()
+                                   for rank, value in enumerate(values)])
         history = [(key, entry[key], int(entry["step"])) for entry in result.history + result.evals
                    for key in entry if key != "step"]
         self._log_history(run_id, history)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from rayvit.config import Study
 from rayvit.record import plots
-from rayvit.record.tables import Column, cell, format_table, number, times, write_parquet
+from rayvit.record.tables import Column, cell, fmt, format_table, number, times, write_parquet
 from rayvit.results import METRIC_KEYS
 from rayvit.studies.plan import Point, plan
 from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, attach_ray, print_failures, print_where
@@ -182,9 +182,28 @@ LADDER_COLUMNS: list[Column] = [
 ]
 
 
+def _device_columns(rows: list[dict[str, Any]]) -> list[Column]:
+    """Peak memory per rank (max over ranks); on GPU also the reserved peak, utilisation and power."""
+    columns: list[Column] = [("peak MB/rank", cell("peak_memory_bytes_per_rank", ".1f", scale=2 ** 20))]
+    optional: list[tuple[str, str, Callable[[dict], str]]] = [
+        ("reserved MB/rank", "peak_memory_reserved_bytes_per_rank",
+         cell("peak_memory_reserved_bytes_per_rank", ".1f", scale=2 ** 20)),
+        ("GPU util", "gpu_utilization_pct",
+         lambda r: fmt(r.get("gpu_utilization_pct"), ".0f") + ("%" if number(r.get("gpu_utilization_pct")) is not None else "")),
+        ("W/GPU", "gpu_power_w", cell("gpu_power_w", ".0f"))]
+    return columns + [(title, write) for title, key, write in optional
+                      if any(number(r.get(key)) is not None for r in rows)]
+
+
 def sweep_table(rows: list[dict[str, Any]], mode: str) -> str:
-    """The results as a plain-text table, one line per point."""
-    return format_table(rows, LADDER_COLUMNS if mode == "ladder" else SCALING_COLUMNS)
+    """The results as a plain-text table, one line per point, with what the memory column measures."""
+    device = _device_columns(rows)
+    columns = (LADDER_COLUMNS + device if mode == "ladder"
+               else SCALING_COLUMNS[:-1] + device + SCALING_COLUMNS[-1:])
+    text = format_table(rows, columns)
+    if any(r.get("memory_measure") == "process_rss" for r in rows):
+        text += "\npeak MB/rank on CPU: the worker process's peak resident set, Python and libraries included"
+    return text
 
 
 # --------------------------------------------------------------------------------------------------

@@ -77,7 +77,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated device memory (CUDA), or the process's peak resident set size on CPU."""
+    """Peak allocated device memory (CUDA), or the process's peak resident set size on CPU.
+
+    CUDA: ``torch.cuda.max_memory_allocated``, the most bytes tensors held at once since the process
+    started or since :func:`reset_peak_memory`. CPU: the whole process's peak resident set (``ru_maxrss``:
+    Python, libraries and data included, never reset), the only figure a CPU run has.
+    """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
@@ -85,6 +90,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def peak_reserved_bytes(device: torch.device) -> Optional[int]:
+    """Peak memory the CUDA caching allocator reserved from the device, or None off CUDA.
+
+    Reserved (``torch.cuda.max_memory_reserved``) is at least the allocated peak: it adds the allocator's
+    cached, fragmented blocks, and it is what runs out first.
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
+def memory_measure(device: torch.device) -> str:
+    """What :func:`peak_memory_bytes` measures on ``device``: 'cuda_allocated' or 'process_rss'."""
+    return "cuda_allocated" if device.type == "cuda" else "process_rss"
+
+
 def reset_peak_memory(device: torch.device) -> None:
+    """Restart the CUDA peaks (allocated and reserved); the CPU resident-set peak cannot be reset."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

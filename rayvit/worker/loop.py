@@ -22,6 +22,7 @@ from rayvit.results import RunResult
 from rayvit.worker import checkpoint, hardware, metrics
 from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.worker.precision import Precision, grads_of
+from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
 from rayvit.worker.strategies import ensure_process_group, rank, strategy_class, world_size
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -76,6 +77,9 @@ class Session:
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
         self.steps_this_attempt = 0
         self.skipped_steps = 0
+        # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
+        self.sampler: Optional[Sampler] = None
+        self._sampler_tried = False
 
     @property
     def masters(self):
@@ -85,6 +89,9 @@ class Session:
     # ---------------------------------------------------------------------------------------------
     def train_step(self) -> float:
         """One optimizer step on the next batch; returns the loss. Timed with device synchronisation."""
+        timed = self.steps_this_attempt >= self.cfg.train.warmup_steps
+        if timed:
+            self._sampling(True)                   # outside the clock
         hardware.synchronize(self.device)
         start = time.perf_counter()
         images, labels = next(self.data.train)
@@ -98,6 +105,8 @@ class Session:
         loss_value = loss.item()                   # syncs too
         hardware.synchronize(self.device)
         elapsed = time.perf_counter() - start
+        if timed:
+            self._sampling(False)
 
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
@@ -128,6 +137,19 @@ class Session:
             self.skipped_steps += 1                # fp16 overflow: skip, the scaler has backed off
         # Gradients stay allocated until the next step's clear_grads() so model-state bytes count them.
         self.scheduler.step()
+
+    def _sampling(self, during_step: bool) -> None:
+        """Let the NVML sampler's readings count during a timed step only; start it with the first one."""
+        if not self._sampler_tried:
+            self._sampler_tried = True
+            self.sampler = nvml_sampler(self.device)
+            if self.sampler is not None:
+                self.sampler.start()
+        if self.sampler is not None:
+            if during_step:
+                self.sampler.activate()
+            else:
+                self.sampler.deactivate()
 
     def clear_grads(self) -> None:
         self.strategy.zero_grad(self.model, self.optimizer)
@@ -169,16 +191,32 @@ class Session:
                                     self.device, self.precision.compute_dtype)
 
     def summary(self, wall_time_s: float) -> RunResult:
-        """Figures aggregated over ranks (the slowest rank sets the pace), with their conditions."""
+        """Figures aggregated over ranks (the slowest rank sets the pace), with their conditions.
+
+        Memory and GPU readings are gathered from every rank: the run keeps each rank's value
+        (``RunResult.per_rank``) and their max / mean (:func:`metrics.across_ranks`).
+        """
+        readings = self.sampler.stop() if self.sampler is not None else {}
         times = torch.tensor(self.step_times or [float("nan")], dtype=torch.float64)
-        stats = torch.tensor([times.sum().item(), float(self.model_state_bytes()),
-                              float(hardware.peak_memory_bytes(self.device))], dtype=torch.float64)
+        stats = torch.tensor([times.sum().item(), float(self.model_state_bytes())], dtype=torch.float64)
+        reserved = hardware.peak_reserved_bytes(self.device)
+        mine = {"peak_memory_bytes": float(hardware.peak_memory_bytes(self.device)),
+                "peak_memory_reserved_bytes": math.nan if reserved is None else float(reserved),
+                "gpu_utilization_pct": readings.get(UTILIZATION, math.nan),
+                "gpu_power_w": readings.get(POWER, math.nan),
+                "gpu_samples": readings.get("samples", math.nan)}
+        ranks = torch.tensor([list(mine.values())], dtype=torch.float64)
         if self.world_size > 1:
             # Step times and counts are the same length on every rank; take the slowest per step.
             times_d, stats_d = times.to(self.device), stats.to(self.device)
             dist.all_reduce(times_d, op=dist.ReduceOp.MAX)
             dist.all_reduce(stats_d, op=dist.ReduceOp.MAX)
             times, stats = times_d.cpu(), stats_d.cpu()
+            mine_d = ranks[0].to(self.device)
+            gathered = [torch.empty_like(mine_d) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine_d)
+            ranks = torch.stack(gathered).cpu()
+        combined, per_rank = metrics.across_ranks(dict(zip(mine, ranks.t().tolist())))
         slowest = times.tolist() if self.step_times else []
         # The slowest rank's total time over the window sets the pace.
         per_chip = metrics.images_per_sec(self.cfg.train.batch_size, len(self.step_times), stats[0].item())
@@ -192,7 +230,7 @@ class Session:
             "mfu": rate["mfu"],
             **metrics.step_time_percentiles(slowest),
             "model_state_bytes_per_rank": stats[1].item(),
-            "peak_memory_bytes_per_rank": stats[2].item(),
+            **combined,
             "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
             "epoch_time_imagenet_h": IMAGENET_TRAIN_IMAGES / global_rate / 3600,
             "train_flops_per_image": float(self.complexity.train_flops_per_image),
@@ -204,7 +242,7 @@ class Session:
             figures["val_accuracy"] = final_eval["val_accuracy"]
         return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
                          history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
-                         restarts=self.restarts)
+                         restarts=self.restarts, per_rank=per_rank)
 
     def conditions(self, peak_source: str) -> dict[str, Any]:
         """What every figure of this run is stated with."""
@@ -215,6 +253,7 @@ class Session:
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
             "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
             "peak_source": peak_source, "data": self.cfg.data.name, **metrics.library_versions(),
+            "memory_measure": hardware.memory_measure(self.device),
         }
 
     # ---------------------------------------------------------------------------------------------
@@ -246,6 +285,8 @@ class Session:
             next(self.data.train)
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
 

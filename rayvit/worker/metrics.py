@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -38,6 +38,43 @@ def rate_figures(train_flops_per_image: float, images_per_sec_per_chip: float, d
     tflops = train_flops_per_image * images_per_sec_per_chip / 1e12
     return {"tflops_per_chip": tflops, "mfu": tflops * 1e12 / peak, "peak_tflops": peak / 1e12,
             "peak_source": source}
+
+
+# Figures each rank measures for itself (gathered from every rank by the loop's summary), and how the
+# run's figures combine them over ranks: (run figure, combine). A run figure exists only when every rank
+# has a finite value; the per-rank list (None where a rank has none) whenever any rank has one.
+PER_RANK_FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
+    "peak_memory_bytes": (("peak_memory_bytes_per_rank", "max"),),
+    "peak_memory_reserved_bytes": (("peak_memory_reserved_bytes_per_rank", "max"),),
+    "gpu_utilization_pct": (("gpu_utilization_pct", "mean"), ("gpu_utilization_pct_max", "max")),
+    "gpu_power_w": (("gpu_power_w", "mean"), ("gpu_power_w_max", "max")),
+    "gpu_samples": (("gpu_samples", "min"),),
+}
+# Of those, the ones whose per-rank lists a run keeps (RunResult.per_rank).
+PER_RANK_LISTS = ("peak_memory_bytes", "peak_memory_reserved_bytes", "gpu_utilization_pct", "gpu_power_w")
+
+_COMBINE = {"max": max, "min": min, "mean": lambda v: sum(v) / len(v)}
+
+
+def across_ranks(per_rank: Mapping[str, Sequence[float]]) -> tuple[dict[str, float], dict[str, list[Optional[float]]]]:
+    """``(run figures, per-rank lists)`` from ``{figure: [value of rank 0, rank 1, ...]}`` (NaN: none).
+
+    E.g. ``{"peak_memory_bytes": [3e9, 4e9]}`` gives ``({"peak_memory_bytes_per_rank": 4e9},
+    {"peak_memory_bytes": [3e9, 4e9]})``. A figure no rank has is absent from both, never zero.
+    """
+    figures: dict[str, float] = {}
+    lists: dict[str, list[Optional[float]]] = {}
+    for name, values in per_rank.items():
+        clean = [float(v) if v is not None and math.isfinite(float(v)) else None for v in values]
+        if all(v is None for v in clean):
+            continue
+        if name in PER_RANK_LISTS:
+            lists[name] = clean
+        if any(v is None for v in clean):
+            continue
+        for figure, how in PER_RANK_FIGURES.get(name, ()):
+            figures[figure] = float(_COMBINE[how](clean))
+    return figures, lists
 
 
 def library_versions() -> dict[str, str]:
