@@ -216,8 +216,23 @@ class SearchConfig:
     max_concurrent_trials: int = 0
 
 
+class _Sections:
+    """The forms a tree of sections is written in; subclasses give ``to_dict`` (the YAML file's shape)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flatten(self) -> dict[str, Any]:
+        """``{"model.name": ..., ...}``: the form used for MLflow params and result tables."""
+        return {f"{section}.{key}": value for section, values in self.to_dict().items()
+                for key, value in values.items()}
+
+
 @dataclass
-class Config:
+class Config(_Sections):
     """Everything one run needs; recorded with every run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -231,20 +246,13 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def flatten(self) -> dict[str, Any]:
-        """``{"model.name": ..., ...}``: the form used for MLflow params and result tables."""
-        return _flatten(self.to_dict())
-
     def replace(self, overrides: Iterable[str] | dict[str, Any] = ()) -> "Config":
         """A validated copy with ``section.key`` overrides applied."""
         return from_dict(self.to_dict(), overrides)
 
 
 @dataclass
-class Study:
+class Study(_Sections):
     """A run config and what to do with it: a sweep or a search of runs, recorded where ``tracking`` says."""
 
     run: Config = field(default_factory=Config)
@@ -256,12 +264,6 @@ class Study:
         """The YAML file's shape: the run's sections, then the study's."""
         return {**self.run.to_dict(), **{name: dataclasses.asdict(getattr(self, name)) for name in STUDY_SECTIONS}}
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def flatten(self) -> dict[str, Any]:
-        return _flatten(self.to_dict())
-
     def replace(self, overrides: Iterable[str] | dict[str, Any] = ()) -> "Study":
         """A validated copy with ``section.key`` overrides applied to the run or the study sections."""
         return study_from_dict(self.to_dict(), overrides)
@@ -269,10 +271,6 @@ class Study:
 
 RUN_SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 STUDY_SECTIONS = ("sweep", "search", "tracking")
-
-
-def _flatten(tree: dict[str, Any]) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, values in tree.items() for key, value in values.items()}
 
 
 # --------------------------------------------------------------------------------------------------
