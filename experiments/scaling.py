@@ -8,7 +8,8 @@ ddp + fsdp + fairscale_oss) in a few minutes. On a cluster:
 Results go to MLflow: one experiment per config, a parent run per sweep (curves keyed by chip count,
 scaling/ladder PNGs, results.parquet) and a child run per point. The last lines printed say how to
 browse them. Exit status: 0 if every point finished, 1 if any failed, 2 if nothing could start
-(bad config, unreachable tracking store, cluster too small), 130 when interrupted.
+(bad config, unreachable tracking store or cluster, missing cluster token, cluster too small), 130 when
+interrupted.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else sqlite:///~
                                              "config file's name)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planned points and the resources each needs, then exit")
-    parser.add_argument("--address", help="Ray cluster to attach to (default: $RAY_ADDRESS, as set by "
-                                          "`ray job submit`; else a local instance)")
+    parser.add_argument("--address", help="Ray cluster to attach to, host:port of its GCS (default: "
+                                          "$RAY_ADDRESS, as set by `ray job submit`; else a local "
+                                          "instance). Token clusters: give the token as $RAY_AUTH_TOKEN")
     return parser.parse_args(argv)
 
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayvit.config import ConfigError, load_config
     from rayvit.sweep import describe_plan, eprint, plan, print_summary, run_sweep
     from rayvit.tracking import TrackingError
-    from rayvit.trainer import ClusterTooSmall
+    from rayvit.trainer import ClusterTooSmall, ConnectError
 
     overrides = list(args.overrides) + ([f"sweep.name={args.name}"] if args.name else [])
     try:
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         experiment = args.experiment or cfg.tracking.experiment or Path(args.config).stem
         report = run_sweep(cfg, experiment=experiment, address=args.address)
-    except (ConfigError, TrackingError, ClusterTooSmall) as e:
+    except (ConfigError, TrackingError, ConnectError, ClusterTooSmall) as e:
         eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:

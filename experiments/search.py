@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayvit.sweep import eprint
     from rayvit.tracking import TrackingError
 
-    from rayvit.trainer import ClusterTooSmall
+    from rayvit.trainer import ClusterTooSmall, ConnectError
     from rayvit.tune import BaselineFailed, plan_search, print_summary, run_search
 
     overrides = list(args.overrides) + ([f"search.name={args.name}"] if args.name else [])
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         plan_search(cfg)     # bad input fails here, before Ray or MLflow start
         report = run_search(cfg, experiment=args.experiment, output=args.output, address=args.address)
-    except (ConfigError, TrackingError, ClusterTooSmall, BaselineFailed) as e:
+    except (ConfigError, TrackingError, ConnectError, ClusterTooSmall, BaselineFailed) as e:
         eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:

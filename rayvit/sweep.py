@@ -373,11 +373,13 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
               out: Callable[[str], None] = print) -> SweepReport:
     """Run (or resume) the sweep ``cfg`` describes; one child run per point under one parent run.
 
-    Raises ConfigError, ClusterTooSmall or TrackingError before any point runs; a point that fails is
-    recorded and the sweep goes on (``SweepReport.exit_code`` is then 1). Ctrl-C marks the running
-    point and the sweep KILLED, so a rerun of the same name picks up from there.
+    Raises ConfigError, ConnectError, ClusterTooSmall or TrackingError before
+    any point runs; a point that fails is recorded and the sweep goes on (``SweepReport.exit_code`` is
+    then 1). Ctrl-C marks the running point and the sweep KILLED, so a rerun of the same name picks up
+    from there.
     """
     from rayvit import plots, tracking
+    from rayvit.launch.connect import check_cluster
     from rayvit.trainer import check_cluster_fits, ensure_ray, fit
 
     name = cfg.sweep.name or default_sweep_name(cfg)
@@ -386,8 +388,10 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
     points = plan(cfg)
     experiment = experiment or default_experiment(cfg)
 
-    # Fail fast, in order of cost, and before any run is recorded: tracking store, then the cluster
-    # (only for the points that still have to run: a finished sweep is summarised without Ray).
+    # Fail fast, in order of cost, and before any run is recorded: the cluster's address (when attaching:
+    # a probe, no Ray yet), tracking store, then the cluster itself (only for the points that still have
+    # to run: a finished sweep is summarised without starting Ray).
+    check_cluster(address)
     uri = tracking.resolve_tracking_uri(cfg.tracking.uri)
     tracking.check_reachable(uri)
     tracker = tracking.SweepTracker(uri, experiment, name)

@@ -8,8 +8,9 @@ Three entry points, smallest first:
   handling and datasets derived from the config, for callers who want to ``fit()`` themselves.
 - ``fit(cfg) -> RunResult``: run it and return the typed summary; raises ``TrainingError`` on failure.
 
-Ray is started locally when the caller has not initialised it, and attached to when ``RAY_ADDRESS`` is
-set (as under ``ray job submit``). Requests the cluster can never satisfy fail before any worker starts.
+Ray is started locally when the caller has not initialised it, and attached to, in the cluster's own
+authentication mode, when ``RAY_ADDRESS`` is set (as under ``ray job submit``; ``rayvit.launch.connect``).
+Requests the cluster can never satisfy fail before any worker starts.
 """
 
 from __future__ import annotations
@@ -17,26 +18,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import tempfile
 import uuid
 from typing import Any, Optional
 
-if "ray" not in sys.modules:
-    # A fresh local instance turns token authentication on and warns about it; saying so explicitly keeps
-    # it on and silences the warning. Ray reads this at import, so it must be set before the import.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict
+# Reaching Ray (the cluster's auth mode, unreachable addresses) lives in rayvit.launch; re-exported
+# here for the callers of this module.
+from rayvit.launch.connect import ConnectError, ensure_ray
 from rayvit.results import RunResult
 from rayvit.train import Session, train
 
 __all__ = ["train_loop_per_worker", "build_trainer", "fit", "ensure_ray", "resources_for",
-           "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path"]
+           "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path", "ConnectError"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,19 +58,6 @@ def default_storage_path() -> str:
     """Absolute (workers change directory): ``$RAYVIT_HOME/ray_results``, default ``~/.rayvit``."""
     home = os.environ.get("RAYVIT_HOME", os.path.join(os.path.expanduser("~"), ".rayvit"))
     return os.path.abspath(os.path.join(home, "ray_results"))
-
-
-def ensure_ray(address: Optional[str] = None) -> None:
-    """Attach to ``address`` / ``$RAY_ADDRESS`` if given, else start a local instance; no-op if running."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)   # never num_cpus when attaching
-    else:
-        # The dashboard stays on: Ray Train's placement-group cleaner queries its state API, and
-        # without it the console fills with "Failed to query Ray Train Controller actor state".
-        ray.init(include_dashboard=True, logging_level=logging.WARNING)
 
 
 def resources_for(cfg: Config) -> dict[str, float]:

@@ -590,13 +590,15 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
                address: Optional[str] = None, out: Callable[[str], None] = print) -> SearchReport:
     """Run the search ``cfg.search`` describes; see the module docstring for the steps.
 
-    Raises ``ConfigError``, ``TrackingError`` or ``ClusterTooSmall`` before anything trains, and
-    ``BaselineFailed`` if the baseline cannot give a reference accuracy.
+    Raises ``ConfigError``, ``TrackingError``, ``ConnectError`` or
+    ``ClusterTooSmall`` before anything trains, and ``BaselineFailed`` if the baseline cannot give a
+    reference accuracy.
     """
     import ray
     from ray import tune
 
     from rayvit import tracking
+    from rayvit.launch.connect import check_cluster
     from rayvit.trainer import TrainingError, check_cluster_fits, ensure_ray, fit
 
     start = time.monotonic()
@@ -607,7 +609,9 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
     mode = plan.mode
     experiment = experiment or cfg.tracking.experiment or _DEFAULT_EXPERIMENT
 
-    # Fail fast, cheapest first: tracking store, then the cluster.
+    # Fail fast, cheapest first: the cluster's address (a probe when attaching), tracking store, then
+    # the cluster itself.
+    check_cluster(address)
     uri = tracking.resolve_tracking_uri(cfg.tracking.uri)
     tracking.check_reachable(uri)
     ensure_ray(address)
