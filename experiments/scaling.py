@@ -8,8 +8,8 @@ ddp + fsdp + fairscale_oss) in a few minutes. On a cluster:
 Results go to MLflow: one experiment per config, a parent run per sweep (curves keyed by chip count,
 scaling/ladder PNGs, results.parquet) and a child run per point. The last lines printed say how to
 browse them. Exit status: 0 if every point finished, 1 if any failed, 2 if nothing could start
-(bad config, unreachable tracking store or cluster, missing cluster token, cluster too small), 130 when
-interrupted.
+(bad config, unreachable tracking store or cluster, missing cluster token, cluster too small, checkpoints
+without shared storage on a multi-node cluster), 130 when interrupted.
 """
 
 from __future__ import annotations

@@ -373,14 +373,14 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
               out: Callable[[str], None] = print) -> SweepReport:
     """Run (or resume) the sweep ``cfg`` describes; one child run per point under one parent run.
 
-    Raises ConfigError, ConnectError, ClusterTooSmall or TrackingError before
+    Raises ConfigError (StorageError among them), ConnectError, ClusterTooSmall or TrackingError before
     any point runs; a point that fails is recorded and the sweep goes on (``SweepReport.exit_code`` is
     then 1). Ctrl-C marks the running point and the sweep KILLED, so a rerun of the same name picks up
     from there.
     """
     from rayvit import plots, tracking
     from rayvit.launch.connect import check_cluster
-    from rayvit.trainer import check_cluster_fits, ensure_ray, fit
+    from rayvit.trainer import check_cluster_fits, check_storage, ensure_ray, fit
 
     name = cfg.sweep.name or default_sweep_name(cfg)
     cfg = cfg.replace({"sweep.name": name})
@@ -401,6 +401,7 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
     if todo:
         ensure_ray(address)
         check_cluster_fits([p.cfg for p in todo])
+        check_storage([p.cfg for p in todo])
 
     parent = tracker.start(params=cfg.flatten(), tags=_sweep_tags(cfg, points), config_yaml=cfg.to_yaml())
     out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "

@@ -10,7 +10,8 @@ Three entry points, smallest first:
 
 Ray is started locally when the caller has not initialised it, and attached to, in the cluster's own
 authentication mode, when ``RAY_ADDRESS`` is set (as under ``ray job submit``; ``rayvit.launch.connect``).
-Requests the cluster can never satisfy fail before any worker starts.
+Requests the cluster can never satisfy, and checkpointing runs without storage every node reaches
+(``launch.storage``, see ``rayvit.launch.storage``), fail before any worker starts.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict
-# Reaching Ray (the cluster's auth mode, unreachable addresses) lives in rayvit.launch; re-exported
-# here for the callers of this module.
+# Reaching Ray (the cluster's auth mode, unreachable addresses) and checkpoint storage live in
+# rayvit.launch; re-exported here for the callers of this module.
 from rayvit.launch.connect import ConnectError, ensure_ray
+from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
 from rayvit.results import RunResult
 from rayvit.train import Session, train
 
 __all__ = ["train_loop_per_worker", "build_trainer", "fit", "ensure_ray", "resources_for",
-           "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path", "ConnectError"]
+           "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path", "check_storage",
+           "ConnectError", "StorageError"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +55,6 @@ class TrainingError(RuntimeError):
 
 class ClusterTooSmall(RuntimeError):
     """The request can never be placed on this cluster."""
-
-
-def default_storage_path() -> str:
-    """Absolute (workers change directory): ``$RAYVIT_HOME/ray_results``, default ``~/.rayvit``."""
-    home = os.environ.get("RAYVIT_HOME", os.path.join(os.path.expanduser("~"), ".rayvit"))
-    return os.path.abspath(os.path.join(home, "ray_results"))
 
 
 def resources_for(cfg: Config) -> dict[str, float]:
@@ -155,7 +152,7 @@ def build_trainer(cfg: Config, *, datasets: Optional[dict] = None,
     if run_config is None:
         run_config = RunConfig(
             name=f"rayvit-{p.strategy}-{p.num_workers}w-{uuid.uuid4().hex[:8]}",
-            storage_path=default_storage_path(),
+            storage_path=storage_path(cfg),
             # controller_failure_limit=0: a worker group that cannot start is an error, never a retry loop.
             failure_config=FailureConfig(max_failures=t.max_failures, controller_failure_limit=0),
             checkpoint_config=CheckpointConfig(num_to_keep=2))
@@ -172,6 +169,8 @@ def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[Ru
     """Run ``cfg`` on Ray Train and return rank 0's summary. Starts or attaches to Ray as needed."""
     ensure_ray()
     check_cluster_fits([cfg])
+    # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
+    check_storage([cfg], storage_given=run_config is not None and run_config.storage_path is not None)
     trainer = build_trainer(cfg, datasets=datasets, run_config=run_config)
     try:
         result = trainer.fit()

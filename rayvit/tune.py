@@ -265,12 +265,12 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search_name
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from rayvit.trainer import TrainingError, default_storage_path, fit
+    from rayvit.trainer import TrainingError, fit, storage_path
 
     cfg = from_dict(base, dict(config))
     run_config = RunConfig(
         name=f"{search_name}-{tune.get_context().get_trial_id()}",
-        storage_path=default_storage_path(),
+        storage_path=storage_path(cfg),     # checked, with the refusal, by run_search before any trial
         failure_config=FailureConfig(max_failures=cfg.train.max_failures, controller_failure_limit=0),
         checkpoint_config=CheckpointConfig(num_to_keep=1),
         callbacks=[TuneReportCallback()])
@@ -590,7 +590,7 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
                address: Optional[str] = None, out: Callable[[str], None] = print) -> SearchReport:
     """Run the search ``cfg.search`` describes; see the module docstring for the steps.
 
-    Raises ``ConfigError``, ``TrackingError``, ``ConnectError`` or
+    Raises ``ConfigError`` (``StorageError`` among them), ``TrackingError``, ``ConnectError`` or
     ``ClusterTooSmall`` before anything trains, and ``BaselineFailed`` if the baseline cannot give a
     reference accuracy.
     """
@@ -599,7 +599,7 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
 
     from rayvit import tracking
     from rayvit.launch.connect import check_cluster
-    from rayvit.trainer import TrainingError, check_cluster_fits, ensure_ray, fit
+    from rayvit.trainer import TrainingError, check_cluster_fits, check_storage, ensure_ray, fit
 
     start = time.monotonic()
     name = cfg.search.name or default_search_name()
@@ -615,7 +615,9 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
     uri = tracking.resolve_tracking_uri(cfg.tracking.uri)
     tracking.check_reachable(uri)
     ensure_ray(address)
-    check_cluster_fits([plan.baseline] + [_derive(cfg, o, "trial") for o in plan.settings])
+    runs = [plan.baseline] + [_derive(cfg, o, "trial") for o in plan.settings]
+    check_cluster_fits(runs)
+    check_storage(runs)
     parallel = concurrency([plan.baseline] + [cfg.replace(o) for o in plan.settings], s.max_concurrent_trials)
 
     tracker = tracking.SweepTracker(uri, experiment, name)

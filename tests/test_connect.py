@@ -1,17 +1,24 @@
-"""Reaching a cluster, without starting Ray.
+"""Reaching a cluster and choosing checkpoint storage, without starting Ray.
 
 Unreachable addresses run the real CLI against ports nothing listens on: it must exit with status 2
 within 30 s, naming the address and what to check (Ray's own connect path retries for minutes). The
-auth modes are in test_cluster_auth.py and test_scaling_job.py.
+storage checks run on real pyarrow filesystems and on ``ray.nodes()``-shaped node lists; the refusal on
+a real two-node cluster is in test_multinode.py, the auth modes in test_cluster_auth.py and
+test_scaling_job.py.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from rayvit.config import ConfigError, from_dict
+from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
 from clusters import clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +73,81 @@ def test_dashboard_url_as_address_says_what_to_use(tmp_path):
     assert rc == 2, out[-3000:]
     assert "dashboard" in out and "ray job submit --address http://127.0.0.1:8265" in out, out[-3000:]
     assert took < 30
+
+
+def _cfg(**overrides):
+    return from_dict({}, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_storage_default_and_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYVIT_HOME", str(tmp_path / "home"))
+    assert storage_path(_cfg()) == default_storage_path() == str(tmp_path / "home" / "ray_results")
+    shared = tmp_path / "shared" / "rayvit"
+    assert storage_path(_cfg(**{"launch.storage": str(shared)})) == str(shared)
+    assert shared.is_dir(), "the storage folder is created (and so checked) on the driver's node"
+
+
+def test_storage_relative_path_is_refused():
+    with pytest.raises(StorageError, match="relative path.*absolute path on a mount every node shares"):
+        storage_path(_cfg(**{"launch.storage": "results/ray"}))
+
+
+def test_storage_unwritable_path_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StorageError, match="cannot create it on this node"):
+        storage_path(_cfg(**{"launch.storage": str(blocker / "under")}))
+
+
+def test_storage_uris_are_checked_with_pyarrow(tmp_path):
+    local = f"file://{tmp_path}/by-uri"
+    assert storage_path(_cfg(**{"launch.storage": local})) == local
+    assert (tmp_path / "by-uri").is_dir()
+    # With the region in the URI pyarrow needs no network to accept it.
+    s3 = "s3://some-bucket/rayvit?region=us-east-1"
+    assert storage_path(_cfg(**{"launch.storage": s3})) == s3
+    with pytest.raises(StorageError, match="pyarrow cannot open it.*s3://bucket/prefix"):
+        storage_path(_cfg(**{"launch.storage": "nfs://server/export"}))
+    with pytest.raises(StorageError, match="names no bucket"):
+        storage_path(_cfg(**{"launch.storage": "s3://"}))
+    assert issubclass(StorageError, ConfigError), "the CLIs report ConfigErrors with exit status 2"
+
+
+def _node(cpus: float, gpus: float = 0.0, alive: bool = True) -> dict:
+    return {"Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}}
+
+
+CKPT = {"parallel.num_workers": 2, "parallel.cpus_per_worker": 1, "train.checkpoint_every": 5}
+
+
+def test_checkpointing_run_on_one_node_needs_no_shared_storage():
+    check_storage([_cfg(**CKPT)], [_node(4)])
+    check_storage([_cfg(**CKPT)], [_node(4), _node(0.5)])          # the second node cannot host a worker
+    check_storage([_cfg(**CKPT)], [_node(4), _node(4, alive=False)])
+
+
+def test_checkpointing_run_that_can_span_nodes_is_refused():
+    for nodes, where in (([_node(1), _node(1)], "2 nodes of this cluster"),
+                         ([_node(0)], "no node can host its workers yet"),
+                         ([_node(1)], "holds 1 of its 2")):
+        with pytest.raises(StorageError, match=where) as e:
+            check_storage([_cfg(**CKPT)], nodes)
+        assert "launch.storage" in str(e.value) and "s3://" in str(e.value)
+    with pytest.raises(StorageError, match="train.max_failures=1"):
+        check_storage([_cfg(**{**CKPT, "train.checkpoint_every": 0, "train.max_failures": 1})],
+                      [_node(1), _node(1)])
+
+
+def test_shared_storage_or_no_checkpoints_runs_anywhere(tmp_path):
+    two = [_node(1), _node(1)]
+    check_storage([_cfg(**{**CKPT, "launch.storage": str(tmp_path / "shared")})], two)
+    check_storage([_cfg(**{**CKPT, "train.checkpoint_every": 0})], two)
+    check_storage([_cfg(**CKPT)], two, storage_given=True)
+    # GPU runs count GPU nodes: a CPU-only head is no host for them.
+    gpu = {**CKPT, "parallel.use_gpu": True, "parallel.num_workers": 8}
+    check_storage([_cfg(**gpu)], [_node(8), _node(96, gpus=8)])
+    with pytest.raises(StorageError):
+        check_storage([_cfg(**gpu)], [_node(8), _node(96, gpus=8), _node(96, gpus=8)])
 
 
 def test_library_import_sets_no_auth_mode():
