@@ -7,7 +7,8 @@
 
 ``experiments/scaling.py`` and ``experiments/search.py`` are the same commands as files, for
 ``ray job submit -- python experiments/scaling.py``. Exit status: 0 done, 1 a point or trial failed,
-2 nothing could start (bad config, unreachable store or cluster, cluster too small), 130 interrupted.
+2 nothing could start (bad config, unreachable store or cluster, missing cluster token, cluster too
+small, checkpoints without shared storage on a multi-node cluster), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def _common(parser: argparse.ArgumentParser, default_config: Path, what: str) ->
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config value, e.g. --set train.steps=10 (repeatable)")
     parser.add_argument("--name", help=f"{what} name (the MLflow parent run); an existing name resumes it")
-    parser.add_argument("--address", help="Ray cluster to attach to (default: $RAY_ADDRESS, as set by "
-                                          "`ray job submit`; else a local instance)")
+    parser.add_argument("--address", help="Ray cluster to attach to, host:port of its GCS (default: "
+                                          "$RAY_ADDRESS, as set by `ray job submit`; else a local "
+                                          "instance). Token clusters: give the token as $RAY_AUTH_TOKEN")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="show Ray's worker and controller output as it comes (by default it goes to "
                              "~/.rayvit/logs/<name>.log; warnings and errors still show, once each)")
@@ -114,6 +116,7 @@ def eprint(message: str) -> None:
 def _guarded(run: Callable[[], int], interrupted: str) -> int:
     """Start-up errors (exit 2) and Ctrl-C (exit 130) said in one line each, as a CLI should."""
     from rayvit.config import ConfigError
+    from rayvit.launch.connect import ConnectError
     from rayvit.launch.trainer import ClusterTooSmall
     from rayvit.record.tracking import TrackingError
     from rayvit.studies.search import BaselineFailed
@@ -123,7 +126,7 @@ def _guarded(run: Callable[[], int], interrupted: str) -> int:
     quiet_loggers()
     try:
         return run()
-    except (ConfigError, TrackingError, ClusterTooSmall, BaselineFailed) as e:
+    except (ConfigError, TrackingError, ConnectError, ClusterTooSmall, BaselineFailed) as e:
         eprint(f"error: {e}")
         return 2
     except KeyboardInterrupt:

@@ -1,10 +1,16 @@
-"""A real two-node Ray cluster on this machine: SPREAD placement and recovery from a lost node.
+"""A real two-node Ray cluster on this machine: SPREAD placement, checkpoints in shared storage, and
+recovery from a lost node.
 
 The head and a worker node are separate ``ray start --block`` processes, each in its own process group,
-with their own ports and ``--temp-dir``, so the test neither sees nor disturbs any other Ray instance
-here. ``ray stop`` is never used: it stops every Ray process on the machine, other people's included.
-Losing a node is ``SIGKILL`` to the worker node's whole process group (raylet, agents and the Train
-worker on it), which is what a crashed machine looks like to the rest of the cluster.
+with their own ports and ``--temp-dir`` (``tests/clusters.py``), so the test neither sees nor disturbs
+any other Ray instance here. ``ray stop`` is never used: it stops every Ray process on the machine, other
+people's included. Losing a node is ``SIGKILL`` to the worker node's whole process group (raylet, agents
+and the Train worker on it), which is what a crashed machine looks like to the rest of the cluster.
+
+Checkpoints go to ``launch.storage``, a folder under the test's tmp dir: on one machine both "nodes"
+see it, the stand-in for a mount every node of a real cluster shares (or an ``s3://`` URI). The same
+run without ``launch.storage`` is refused before its first step: its checkpoints would land on each
+node's own disk.
 
 The training runs go through ``rayvit.trainer.fit`` in a driver subprocess attached with ``RAY_ADDRESS``
 (as under ``ray job submit``); that process, not this one, talks to Ray, so the pytest process stays
@@ -32,21 +38,19 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
-import signal
-import socket
+import secrets
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from clusters import Cluster, clean_env, kill_group
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_LABEL, WORKER_LABEL = "rayvit_head", "rayvit_worker"
 
 # A tiny ViT for 2 x 40 steps: long enough to lose a node between checkpoints (every 5 steps, each
@@ -61,7 +65,7 @@ DRIVER = r'''
 import json, os, sys, threading, time
 import ray
 from ray.util.state import list_actors
-from rayvit.config import from_dict
+from rayvit.config import ConfigError, from_dict
 from rayvit.trainer import TrainingError, ensure_ray, fit
 
 spec = json.load(open(sys.argv[1]))
@@ -107,111 +111,47 @@ def watch():
 threading.Thread(target=watch, daemon=True).start()
 for run in spec["runs"]:
     current["run"] = run["name"]
-    os.environ["RAYVIT_HOME"] = run["home"]          # read by fit() for its storage path
+    os.environ["RAYVIT_HOME"] = run["home"]          # the node-local default storage, if none is set
     record(event="start")
     try:
         record(event="done", result=fit(from_dict({}, run["overrides"])).to_dict())
     except TrainingError as e:
         record(event="failed", error=str(e))
+    except ConfigError as e:                         # rayvit.launch.storage.StorageError among them
+        record(event="refused", error=str(e))
 time.sleep(0.5)                                      # let the watcher log the workers' exit
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class LocalCluster(Cluster):
+    """A head and one worker node (1 CPU each), with token authentication and a token of their own."""
 
-
-def _pids_in_group(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    pids.append(int(entry))
-            except ProcessLookupError:
-                pass
-    return pids
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
-def _kill_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGKILL a process group and wait until none of its members is left."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    deadline = time.time() + timeout
-    while _pids_in_group(proc.pid) and time.time() < deadline:
-        time.sleep(0.1)
-
-
-class LocalCluster:
-    """A head and one worker node, each a ``ray start --block`` process group on this machine."""
-
-    def __init__(self, ray_tmp: str, logs: Path):
-        self.ray_tmp, self.logs = ray_tmp, logs
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token"}   # as rayvit.trainer sets for its drivers
-        self.env.pop("RAY_ADDRESS", None)
-        self.head = self._start("head", ["--head", f"--port={self.port}", "--include-dashboard=true",
-                                         "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}",
-                                         f"--ray-client-server-port={_free_port()}",
-                                         f'--resources={{"{HEAD_LABEL}": 1}}'])
-        self.worker: subprocess.Popen | None = None
+    def __init__(self, logs: Path):
+        # The token goes by environment to the nodes and the drivers, never into ~/.ray.
+        super().__init__(logs, clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32)),
+                         prefix="rvmn-")
+        self.start_head(num_cpus=1, resources=f'{{"{HEAD_LABEL}": 1}}')
         self.worker_starts = 0
         self.start_worker()
 
-    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
-        # Every port a second node would otherwise share with the head (or with another Ray instance on
-        # this machine) is chosen free; the rest default to random ports.
-        cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-               f"--temp-dir={self.ray_tmp}", "--object-store-memory=100000000", "--disable-usage-stats",
-               f"--dashboard-agent-listen-port={_free_port()}", f"--metrics-export-port={_free_port()}", *args]
-        log = open(self.logs / f"{name}.log", "w")
-        # Its own session: the whole node (raylet, GCS, agents, Ray workers) shares one process group.
-        return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    @property
+    def worker_name(self) -> str:
+        return f"worker{self.worker_starts}"
 
-    def start_worker(self) -> None:
+    def start_worker(self) -> None:  # type: ignore[override]
         self.worker_starts += 1
-        self.worker = self._start(f"worker{self.worker_starts}",
-                                  [f"--address={self.address}", f'--resources={{"{WORKER_LABEL}": 1}}'])
+        super().start_worker(self.worker_name, num_cpus=1, resources=f'{{"{WORKER_LABEL}": 1}}')
 
     def kill_worker(self) -> None:
-        assert self.worker is not None
-        _kill_group(self.worker)
-        assert not _pids_in_group(self.worker.pid), "the worker node's processes outlived SIGKILL"
-        self.worker = None
+        self.kill(self.worker_name)
 
     def ensure_worker(self) -> None:
-        if self.worker is None or self.worker.poll() is not None:
+        if not self.alive(self.worker_name):
+            self.nodes.pop(self.worker_name, None)
             self.start_worker()
 
     def driver(self, name: str, runs: list[dict], env: dict | None = None) -> "Driver":
         return Driver(self, name, runs, env or {})
-
-    def stop(self) -> None:
-        for proc in (self.worker, self.head):
-            if proc is not None:
-                _kill_group(proc)
-        # Anything still naming our temp dir (e.g. a process that left the group) is ours too.
-        for pid in _pids_mentioning(self.ray_tmp):
-            os.kill(pid, signal.SIGKILL)
 
 
 class Driver:
@@ -251,27 +191,22 @@ class Driver:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            _kill_group(self.proc)
+            kill_group(self.proc)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    # Short temp dir: Ray's Unix socket paths must stay under 107 characters.
-    ray_tmp = tempfile.mkdtemp(prefix="rvmn-", dir="/tmp")
-    logs = tmp_path_factory.mktemp("multinode")
-    c = LocalCluster(ray_tmp, logs)
+    c = LocalCluster(tmp_path_factory.mktemp("multinode"))
     try:
         yield c
     finally:
-        c.stop()
-        stray = _pids_mentioning(ray_tmp) + [pid for p in (c.head, c.worker) if p for pid in _pids_in_group(p.pid)]
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        stray = c.stop()
         assert not stray, f"Ray processes left behind: {stray}"
 
 
-def _has_checkpoint(home: str) -> bool:
-    """Whether a run under ``RAYVIT_HOME=home`` has committed a checkpoint folder."""
-    return any(os.path.isdir(p) for p in glob.glob(os.path.join(home, "ray_results", "*", "checkpoint_*")))
+def _checkpoints(storage: Path) -> list[str]:
+    """The checkpoint folders runs have committed under a storage location (one folder per run)."""
+    return [p for p in glob.glob(os.path.join(storage, "*", "checkpoint_*")) if os.path.isdir(p)]
 
 
 def _placements(events: list[dict], run: str) -> list[list[dict]]:
@@ -285,15 +220,39 @@ def _one(events: list[dict], event: str, run: str) -> dict:
     return found[0]
 
 
+def test_checkpointing_to_node_local_storage_is_refused(cluster, tmp_path):
+    """Without ``launch.storage`` the checkpointing run would write to each node's own disk: it is
+    refused before any Train worker starts, with a message that says what to set."""
+    cluster.ensure_worker()
+    home = tmp_path / "home"
+    driver = cluster.driver("refused", [{"name": "refused", "home": str(home), "overrides": RUN}])
+    try:
+        rc = driver.wait(timeout=90)
+    finally:
+        driver.stop()
+    events = driver.events()
+    assert rc == 0, driver.tail()
+    refused = _one(events, "refused", "refused")["error"]
+    assert "2 nodes of this cluster can each host its workers" in refused, refused
+    assert "launch.storage" in refused and "s3://" in refused and "train.checkpoint_every=5" in refused
+    assert not [e for e in events if e["event"] == "workers" and e["run"] == "refused" and e["workers"]]
+    assert not _checkpoints(home / "ray_results")
+
+
 def test_node_loss_mid_run_recovers_from_checkpoint(cluster, tmp_path):
     """SPREAD puts one worker per node; killing the worker node mid-run and restarting it, the run
-    resumes from its last checkpoint and ends with the same step count and losses as an unbroken run."""
+    resumes from its last checkpoint in ``launch.storage`` and ends with the same step count and losses
+    as an unbroken run. The unbroken run names its storage as a ``file://`` URI, the other as a path."""
     cluster.ensure_worker()
+    shared = tmp_path / "shared"                       # both nodes see it: the stand-in for a shared mount
+    storage = {"reference": f"file://{shared}/reference", "faulty": str(shared / "faulty")}
     home = {name: str(tmp_path / name) for name in ("reference", "faulty")}
-    driver = cluster.driver("recover", [{"name": name, "home": home[name], "overrides": RUN}
+    driver = cluster.driver("recover", [{"name": name, "home": home[name],
+                                         "overrides": RUN + [f"launch.storage={storage[name]}"]}
                                         for name in ("reference", "faulty")])
     try:
-        driver.wait_for("checkpoint of the faulty run", lambda: _has_checkpoint(home["faulty"]), timeout=90)
+        driver.wait_for("checkpoint of the faulty run in launch.storage",
+                        lambda: _checkpoints(shared / "faulty"), timeout=90)
         nodes = next(e["nodes"] for e in driver.events() if e["event"] == "nodes")
         first_worker_node = next(n for n, label in nodes.items() if label == WORKER_LABEL)
         killed_at = time.time()
@@ -305,6 +264,11 @@ def test_node_loss_mid_run_recovers_from_checkpoint(cluster, tmp_path):
         driver.stop()
     events = driver.events()
     assert rc == 0, driver.tail()
+
+    # Every checkpoint is in the configured storage, none on a node's default folder.
+    for name in ("reference", "faulty"):
+        assert _checkpoints(shared / name), f"no checkpoint of the {name} run under {shared / name}"
+        assert not _checkpoints(Path(home[name]) / "ray_results"), f"{name}: checkpoints in the default"
 
     reference = _one(events, "done", "reference")["result"]
     faulty = _one(events, "done", "faulty")["result"]
@@ -341,11 +305,12 @@ def test_node_loss_without_a_replacement_fails_after_start_timeout(cluster, tmp_
     node): the run fails once ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` has passed, never hangs."""
     cluster.ensure_worker()
     timeout_s = 10
-    home = str(tmp_path / "lost")
-    driver = cluster.driver("lost", [{"name": "lost", "home": home, "overrides": RUN}],
+    shared = tmp_path / "shared"
+    driver = cluster.driver("lost", [{"name": "lost", "home": str(tmp_path / "lost"),
+                                      "overrides": RUN + [f"launch.storage={shared}"]}],
                             env={"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(timeout_s)})
     try:
-        driver.wait_for("checkpoint", lambda: _has_checkpoint(home), timeout=90)
+        driver.wait_for("checkpoint", lambda: _checkpoints(shared), timeout=90)
         killed_at = time.time()
         cluster.kill_worker()
         rc = driver.wait(timeout=90)

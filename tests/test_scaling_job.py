@@ -1,28 +1,27 @@
-"""``ray job submit --working-dir . -- python experiments/scaling.py``, against a real head on loopback.
+"""``ray job submit --working-dir . -- python experiments/scaling.py``, against a real head on loopback
+with token authentication on; and what a driver or a submission without the cluster's token gets.
 
-The head runs with its own temp dir and a token of its own (passed by environment, never written to
-``~/.ray``), in its own process group, which the test ends by id: ``ray stop`` would stop every Ray
-process on the machine, including other people's.
+The head runs with its own temp dir, an empty ``HOME`` and a token of its own (passed by environment,
+never written to ``~/.ray``), in its own process group, which the test ends by id: ``ray stop`` would
+stop every Ray process on the machine, including other people's. A job inherits the head's environment,
+token included; ``ray job submit`` itself needs the token too (``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN`` in the submitting shell). The same sweep on a cluster without authentication is in
+test_cluster_auth.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+
+from clusters import Cluster, clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -30,51 +29,24 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def token_cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("job")
+    home = tmp_path_factory.mktemp("head-home")        # empty: no ~/.ray/auth_token to fall back on
+    env = clean_env(HOME=str(home), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    cluster = Cluster(logs, env, prefix="rvjob")
+    cluster.start_head(num_cpus=2)
+    try:
+        cluster.wait_dashboard()
+        yield cluster
+    finally:
+        stray = cluster.stop()
+        assert not stray, f"Ray processes left behind: {stray}"
 
 
 @pytest.fixture(scope="module")
-def head():
-    # Short path: Ray's unix sockets live under the temp dir and must stay under ~107 characters.
-    tmp = Path(tempfile.mkdtemp(prefix="rvjob", dir="/tmp"))
-    dashboard = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={_free_port()}",
-           "--node-ip-address=127.0.0.1", "--num-cpus=2", "--include-dashboard=true",
-           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", f"--temp-dir={tmp / 'ray'}"]
-    log = open(tmp / "head.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(url + "/api/version", timeout=2).read()
-                break
-            except urllib.error.HTTPError:
-                break  # it answers (401 without the token): the dashboard is up
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("ray head did not start:\n" + (tmp / "head.log").read_text()[-3000:])
-                time.sleep(1)
-        yield url, env, tmp
-    finally:
-        # `ray start --block` and its children outlive SIGTERM for a while: TERM, wait, then KILL the group.
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                pass
-        log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+def head(token_cluster, tmp_path_factory):
+    return token_cluster.dashboard_url, token_cluster.env, tmp_path_factory.mktemp("job-records")
 
 
 def test_sweep_as_a_ray_job(head):
@@ -107,3 +79,56 @@ def test_sweep_as_a_ray_job(head):
                             text=True, timeout=60)
     assert actors.returncode == 0, actors.stderr[-2000:]
     assert len(json.loads(actors.stdout)) == 2
+
+
+_ATTACH = ("import sys, ray\n"
+           "from rayvit.launch.connect import ConnectError, ensure_ray\n"
+           "try:\n    ensure_ray(sys.argv[1])\n"
+           "except ConnectError as e:\n    print('refused:', e); sys.exit(2)\n"
+           "print('attached, CPUs:', ray.cluster_resources().get('CPU'))\n")
+
+
+def test_drivers_need_the_clusters_token(token_cluster, tmp_path):
+    """A driver attaching without the token, or with another one, is refused at once with what to do;
+    with the token (and no RAY_AUTH_MODE: the mode is the cluster's) it attaches."""
+    token = token_cluster.env["RAY_AUTH_TOKEN"]
+    no_home = str(tmp_path / "home")                   # no ~/.ray/auth_token either
+    envs = {"none": clean_env(HOME=no_home), "wrong": clean_env(HOME=no_home, RAY_AUTH_TOKEN="0" * 64),
+            "right": clean_env(HOME=no_home, RAY_AUTH_TOKEN=token)}
+    procs = {k: subprocess.Popen([sys.executable, "-c", _ATTACH, token_cluster.address], cwd=REPO, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, env in envs.items()}
+    out = {k: (p.communicate(timeout=90)[0], p.returncode) for k, p in procs.items()}
+    text, rc = out["none"]
+    assert rc == 2 and "token authentication on, and no token was found here" in text, text[-3000:]
+    assert "ray get-auth-token" in text and "RAY_AUTH_TOKEN" in text, text[-3000:]
+    text, rc = out["wrong"]
+    assert rc == 2 and "rejected this process's token (from $RAY_AUTH_TOKEN)" in text, text[-3000:]
+    text, rc = out["right"]
+    assert rc == 0 and "attached, CPUs: 2.0" in text, text[-3000:]
+
+
+def test_sweep_without_the_token_exits_2(token_cluster, tmp_path):
+    """The CLI reports the missing token as a start-up error (status 2), before any MLflow record."""
+    env = clean_env(HOME=str(tmp_path / "home"), RAYVIT_HOME=str(tmp_path / "rv"),
+                    MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "experiments/scaling.py", "--address", token_cluster.address,
+                           "--set", "sweep.strategies=ddp", "--set", "sweep.worker_counts=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=90)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "error: the Ray cluster at" in out and "no token was found" in out and "Traceback" not in out
+    assert time.monotonic() - start < 30
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_job_submission_without_the_token_is_refused(token_cluster, tmp_path):
+    """``ray job submit`` with no token is refused by the head's dashboard (Ray's own check)."""
+    proc = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", token_cluster.dashboard_url,
+                           "--", "python", "-c", "print('ran')"], cwd=tmp_path,
+                          env=clean_env(HOME=str(tmp_path / "home")), capture_output=True, text=True,
+                          timeout=90)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "ran" not in proc.stdout, out[-3000:]
+    assert "Authentication required" in out, out[-3000:]

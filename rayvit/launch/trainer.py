@@ -8,8 +8,10 @@ Three entry points, smallest first:
   handling and datasets derived from the config, for callers who want to ``fit()`` themselves.
 - ``fit(cfg) -> RunResult``: run it and return the typed summary; raises ``TrainingError`` on failure.
 
-Ray is started locally when the caller has not initialised it, and attached to when ``RAY_ADDRESS`` is
-set (as under ``ray job submit``). Requests the cluster can never satisfy fail before any worker starts.
+Ray is started locally when the caller has not initialised it, and attached to, in the cluster's own
+authentication mode, when ``RAY_ADDRESS`` is set (as under ``ray job submit``; :mod:`rayvit.launch.connect`).
+Requests the cluster can never satisfy, and checkpointing runs without storage every node reaches
+(``launch.storage``, :mod:`rayvit.launch.storage`), fail before any worker starts.
 """
 
 from __future__ import annotations
@@ -17,37 +19,40 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import tempfile
 import uuid
 from typing import Any, Callable, Optional
 
-if "ray" not in sys.modules:
-    # A fresh local instance turns token authentication on and warns about it; saying so explicitly keeps
-    # it on and silences the warning. Ray reads this at import, so it must be set before the import.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayvit.config import Config, from_dict, rayvit_home
+from rayvit.config import Config, from_dict
+from rayvit.launch.connect import ensure_ray
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import resources_for, worker_bundle
+from rayvit.launch.storage import check_storage, storage_path
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
 from rayvit.worker.metrics import images_per_sec
 
-__all__ = ["train_loop_per_worker", "build_trainer", "fit", "ensure_ray", "resources_for",
-           "check_cluster_fits", "TrainingError", "ClusterTooSmall", "default_storage_path"]
-
 logger = logging.getLogger(__name__)
 
-# Each ray.train.report() waits for the controller's health-check tick (2 s by default). A shorter tick
-# makes reports cheap; the driver's value is propagated to the controller and the workers.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-# A worker group that cannot be placed should fail in seconds, not after a minute.
-os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+
+
+def train_environment(cfg: Config) -> None:
+    """Ray Train's settings that only environment variables reach, set before its controller starts
+    (the driver's values are propagated to the controller and the workers); a user's own value stays."""
+    # Each ray.train.report() waits for the controller's health-check tick (2 s by default). A shorter tick
+    # makes reports cheap.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # How long a placed worker group may take to start: launch.worker_start_timeout_s, else the variable,
+    # else 30 s (Ray's 60 s default is long for a group that cannot start on a fixed cluster).
+    if cfg.launch.worker_start_timeout_s is not None:
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{cfg.launch.worker_start_timeout_s:g}"
+    else:
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 
 
 class TrainingError(RuntimeError):
@@ -56,29 +61,6 @@ class TrainingError(RuntimeError):
 
 class ClusterTooSmall(RuntimeError):
     """The request can never be placed on this cluster."""
-
-
-def default_storage_path() -> str:
-    """Absolute (workers change directory): ``$RAYVIT_HOME/ray_results``, default ``~/.rayvit``."""
-    return str(rayvit_home() / "ray_results")
-
-
-def storage_path(cfg: Config) -> str:
-    """Ray Train's storage for ``cfg``: ``launch.storage`` when set, else the local default."""
-    return cfg.launch.storage or default_storage_path()
-
-
-def ensure_ray(address: Optional[str] = None) -> None:
-    """Attach to ``address`` / ``$RAY_ADDRESS`` if given, else start a local instance; no-op if running."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)   # never num_cpus when attaching
-    else:
-        # The dashboard stays on: Ray Train's placement-group cleaner queries its state API, and
-        # without it the console fills with "Failed to query Ray Train Controller actor state".
-        ray.init(include_dashboard=True, logging_level=logging.WARNING)
 
 
 def check_cluster_fits(cfgs: list[Config]) -> None:
@@ -157,6 +139,7 @@ def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: O
     ``progress`` is called by every worker after every step (see :mod:`rayvit.launch.progress`).
     """
     p, t = cfg.parallel, cfg.train
+    train_environment(cfg)
     resources = worker_bundle(cfg)
     scaling = ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=resources,
                             accelerator_type=p.accelerator_type, placement_strategy=p.placement_strategy)
@@ -184,6 +167,8 @@ def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[Ru
     """
     ensure_ray()
     check_cluster_fits([cfg])
+    # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
+    check_storage([cfg], storage_given=run_config is not None and run_config.storage_path is not None)
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
     trainer = build_trainer(cfg, datasets=datasets, run_config=run_config,
                             progress=channel.poster() if on_progress else None)

@@ -91,7 +91,8 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search: dic
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from rayvit.launch.trainer import TrainingError, fit, storage_path
+    from rayvit.launch.storage import storage_path
+    from rayvit.launch.trainer import TrainingError, fit
 
     cfg, s = from_dict(base, dict(config)), SearchConfig(**search)
     run_config = RunConfig(
@@ -276,9 +277,12 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
                ray_log: Optional[str] = None) -> SearchReport:
     """Run (or resume) the search ``study.search`` describes; see the module docstring for the steps.
 
-    Raises ``ConfigError``, ``TrackingError`` or ``ClusterTooSmall`` before anything trains, and
+    Raises ``ConfigError`` (``StorageError`` among them), ``TrackingError``, ``ConnectError`` or
+    ``ClusterTooSmall`` before anything trains, and
     ``BaselineFailed`` if the baseline cannot give a reference accuracy.
     """
+    from rayvit.launch.connect import check_cluster
+    from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits, fit
 
     start = time.monotonic()
@@ -286,10 +290,12 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
     study = study.replace({"search.name": name})
     plan, s = plan_search(study), study.search
     experiment = experiment or study.tracking.experiment or DEFAULT_EXPERIMENT
+    check_cluster(address)        # the cluster's address first: a probe, no Ray yet
     run = StudyRun(study, name, experiment, kind="search")
     attach_ray(address, name, ray_log, out)
     trial_cfgs = [plan.baseline.cfg] + [plan.trial(0, "", o).cfg for o in plan.settings]
     check_cluster_fits(trial_cfgs)
+    check_storage(trial_cfgs)
     parallel = concurrency(trial_cfgs, s.max_concurrent_trials)
     parent = run.start({tracking.TAG_KIND: "search", "objective": s.objective, "algorithm": s.algorithm,
                         "max_accuracy_drop": s.max_accuracy_drop, "asha": s.asha, "space": json.dumps(plan.space),
@@ -334,7 +340,7 @@ def _baseline(run: StudyRun, plan: SearchPlan, fit, out: Callable[[str], None]) 
 
 def tune_storage(cfg: Config) -> str:
     """Where Tune keeps its experiments: beside Ray Train's runs (``launch.storage`` on clusters)."""
-    from rayvit.launch.trainer import storage_path
+    from rayvit.launch.storage import storage_path
 
     base = storage_path(cfg)
     return base.rstrip("/") + "_tune" if "://" in base else str(Path(base).parent / "tune_results")

@@ -35,23 +35,30 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
               out: Callable[[str], None] = print, ray_log: Optional[str] = None) -> Report:
     """Run (or resume) the sweep ``study`` describes; one child run per point under one parent run.
 
-    Raises ConfigError, ClusterTooSmall or TrackingError before any point runs; a point that fails is
+    Raises ConfigError (StorageError among them), ConnectError, ClusterTooSmall or TrackingError before
+    any point runs; a point that fails is
     recorded and the sweep goes on (``Report.exit_code`` is then 1). Ctrl-C marks the running point and
     the sweep KILLED, so a rerun of the same name picks up from there. ``ray_log``: see
     :func:`~rayvit.studies.runner.attach_ray`.
     """
+    from rayvit.launch.connect import check_cluster
+    from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits, fit
 
     name = study.sweep.name or default_sweep_name(study)
     study = study.replace({"sweep.name": name})
     mode, points = study.sweep.mode, plan(study)
     experiment = experiment or study.tracking.experiment or f"rayvit-{mode}"
+    # Fail fast, cheapest first and before anything is recorded: the cluster's address (a probe, no Ray
+    # yet), the tracking store, then the cluster itself.
+    check_cluster(address)
     run = StudyRun(study, name, experiment, kind=mode)
     # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
     todo = [p for p in points if run.reusable(p) is None]
     if todo:
         attach_ray(address, name, ray_log, out)
         check_cluster_fits([p.cfg for p in todo])
+        check_storage([p.cfg for p in todo])
 
     parent = run.start(_sweep_tags(study, points))
     out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "

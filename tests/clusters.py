@@ -1,0 +1,161 @@
+"""Real Ray nodes for tests: ``ray start --block`` processes, each in its own process group.
+
+Not a test module. Every node gets its own ports and shares a short ``--temp-dir`` under /tmp, so a
+test neither sees nor disturbs any other Ray instance on the machine. ``ray stop`` is never used: it
+stops every Ray process on the machine, other people's included. A node is stopped (or "crashed") by
+signalling its whole process group (raylet, GCS, agents and the Ray workers it started).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pids_in_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_group(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """SIGKILL a process group and wait until none of its members is left."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    deadline = time.time() + timeout
+    while pids_in_group(proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without anything that would point Ray, auth or MLflow elsewhere."""
+    drop = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "MLFLOW_TRACKING_URI")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(RAY_USAGE_STATS_ENABLED="0", **extra)
+    return env
+
+
+class Cluster:
+    """A head node and any number of worker nodes on this machine, started with ``ray start --block``.
+
+    ``env`` is every node's environment: it decides the cluster's authentication mode
+    (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, and ``HOME`` for ``~/.ray/auth_token``).
+    """
+
+    def __init__(self, logs: Path, env: dict[str, str], *, prefix: str = "rvc-"):
+        # Short path: Ray's Unix socket paths live under the temp dir and must stay under 107 characters.
+        self.temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        self.logs, self.env = Path(logs), env
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.dashboard_url: Optional[str] = None
+        self.nodes: dict[str, subprocess.Popen] = {}
+
+    def _start(self, name: str, num_cpus: int, args: list[str]) -> subprocess.Popen:
+        # Every port a second node would otherwise share with the head (or with another Ray instance on
+        # this machine) is chosen free; the rest default to random ports.
+        cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+               f"--temp-dir={self.temp_dir}", "--object-store-memory=100000000", "--disable-usage-stats",
+               f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
+        with open(self.logs / f"{name}.log", "w") as log:
+            # Its own session: the whole node (raylet, GCS, agents, Ray workers) shares one process group.
+            proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.nodes[name] = proc
+        return proc
+
+    def start_head(self, num_cpus: int, resources: str = "") -> subprocess.Popen:
+        dashboard = free_port()
+        self.dashboard_url = f"http://127.0.0.1:{dashboard}"
+        return self._start("head", num_cpus, [
+            "--head", f"--port={self.port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
+            *([f"--resources={resources}"] if resources else [])])
+
+    def start_worker(self, name: str, num_cpus: int, resources: str = "") -> subprocess.Popen:
+        return self._start(name, num_cpus, [f"--address={self.address}",
+                                            *([f"--resources={resources}"] if resources else [])])
+
+    def wait_dashboard(self, timeout: float = 90) -> None:
+        """Until the head's dashboard answers (any HTTP status: 401 without a token is an answer)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(self.dashboard_url + "/api/version", timeout=2).read()
+                return
+            except urllib.error.HTTPError:
+                return
+            except OSError:
+                head = self.nodes["head"]
+                if head.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("ray head did not start:\n" + self.log("head")[-3000:])
+                time.sleep(0.5)
+
+    def log(self, name: str) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a node's whole process group: what a crashed machine looks like to the others."""
+        proc = self.nodes.pop(name)
+        kill_group(proc)
+        left = pids_in_group(proc.pid)
+        assert not left, f"node {name}'s processes outlived SIGKILL: {left}"
+
+    def alive(self, name: str) -> bool:
+        return name in self.nodes and self.nodes[name].poll() is None
+
+    def stop(self) -> list[int]:
+        """Kill every node; returns the pids of Ray processes that survived (should be none)."""
+        procs = list(self.nodes.values())
+        for name in reversed(list(self.nodes)):
+            kill_group(self.nodes.pop(name))
+        # Anything still naming our temp dir (e.g. a process that left the group) is ours too.
+        for pid in pids_mentioning(self.temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+        stray = pids_mentioning(self.temp_dir) + [pid for p in procs for pid in pids_in_group(p.pid)]
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return stray
