@@ -378,6 +378,7 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
     point and the sweep KILLED, so a rerun of the same name picks up from there.
     """
     from rayvit import plots, tracking
+    from rayvit.launch import capacity
     from rayvit.trainer import check_cluster_fits, ensure_ray, fit
 
     name = cfg.sweep.name or default_sweep_name(cfg)
@@ -394,15 +395,21 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
     tracker.find_parent()
     done = tracker.completed()
     todo = [p for p in points if done.get(p.key, (None, None, None))[2] != p.config_hash]
+    verdicts = []
     if todo:
         ensure_ray(address)
-        check_cluster_fits([p.cfg for p in todo])
+        # Points beyond the autoscaler's maximum (or a fixed cluster's size) are refused here, for the
+        # whole plan; points the autoscaler can grow into wait for it just before they run.
+        verdicts = check_cluster_fits([p.cfg for p in todo])
 
     parent = tracker.start(params=cfg.flatten(), tags=_sweep_tags(cfg, points), config_yaml=cfg.to_yaml())
     out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "
         f"parent run {parent}")
     out(f"tracking: {uri}" + ("  (resuming: finished points are reused)" if tracker.resumed else ""))
     out(f"resume with: --name {name}")
+    growth = capacity.summary(verdicts)
+    if growth:
+        out(growth)
 
     progress = Progress(len(points), out)
     outcomes: list[Outcome] = []
@@ -416,7 +423,7 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
                     out(f"[{point.index}/{len(points)}] {point.key}: its settings changed since run "
                         f"{previous[0]}; running it again")
                 progress.begin(point, len(points) - i)
-                outcome = _run_point(point, tracker, fit)
+                outcome = _run_point(point, tracker, capacity.waiting(fit, out))
             outcomes.append(outcome)
             progress.end(outcome)
             _log_curves(tracker, rows_of(outcomes, mode), mode)
@@ -458,6 +465,7 @@ def _sweep_tags(cfg: Config, points: list[Point]) -> dict[str, Any]:
 
 
 def _run_point(point: Point, tracker, fit: Callable[[Config], RunResult]) -> Outcome:
+    from rayvit.launch.capacity import ClusterTooSmall
     from rayvit.trainer import TrainingError
 
     c = point.cfg
@@ -476,7 +484,7 @@ def _run_point(point: Point, tracker, fit: Callable[[Config], RunResult]) -> Out
     except (KeyboardInterrupt, SystemExit) as e:
         tracker.fail_point(run_id, f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)", status="KILLED")
         raise KeyboardInterrupt from e
-    except TrainingError as e:
+    except (TrainingError, ClusterTooSmall) as e:   # ClusterTooSmall: nodes did not come up in time
         error = str(e) or repr(e)
         tracker.fail_point(run_id, error)
         return Outcome(point, "failed", error=error, run_id=run_id, seconds=time.monotonic() - start)

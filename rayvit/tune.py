@@ -597,6 +597,7 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
     from ray import tune
 
     from rayvit import tracking
+    from rayvit.launch import capacity
     from rayvit.trainer import TrainingError, check_cluster_fits, ensure_ray, fit
 
     start = time.monotonic()
@@ -611,7 +612,8 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
     uri = tracking.resolve_tracking_uri(cfg.tracking.uri)
     tracking.check_reachable(uri)
     ensure_ray(address)
-    check_cluster_fits([plan.baseline] + [_derive(cfg, o, "trial") for o in plan.settings])
+    trials = [_derive(cfg, o, "trial") for o in plan.settings]
+    check_cluster_fits([plan.baseline] + trials)
     parallel = concurrency([plan.baseline] + [cfg.replace(o) for o in plan.settings], s.max_concurrent_trials)
 
     tracker = tracking.SweepTracker(uri, experiment, name)
@@ -630,7 +632,7 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
         out(f"[baseline] training {setting_label(plan.baseline_overrides)} for {cfg.train.steps} steps")
         t0 = time.monotonic()
         try:
-            base_result = fit(plan.baseline)
+            base_result = capacity.waiting(fit, out)(plan.baseline)
             base_status, base_error = "done", None
         except TrainingError as e:
             base_result, base_error = None, str(e)
@@ -683,7 +685,9 @@ def run_search(cfg: Config, *, experiment: Optional[str] = None, output: Optiona
                                         max_concurrent_trials=parallel, reuse_actors=False),
             run_config=tune.RunConfig(name=name, storage_path=_tune_storage(), verbose=0,
                                       callbacks=[releaser, recorder]))
-        tuner.fit()
+        # Trials start on whatever is up: hold the cluster at the largest trial's size while they run.
+        with capacity.capacity_for(capacity.largest(trials or [plan.baseline]), out):
+            tuner.fit()
         # The last trial's controller may still be dying: leave the cluster as we found it.
         releaser.drain()
     except KeyboardInterrupt:

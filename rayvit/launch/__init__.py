@@ -1,0 +1,1 @@
+"""The Ray layer: Ray Train trainers, cluster capacity checks and waiting for the autoscaler."""
