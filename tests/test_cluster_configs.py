@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
 from ray.runtime_env import RuntimeEnv
 
-from rayvit.config import load_study
+from rayvit.config import load_config, load_study
+from rayvit.launch import capacity
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"
@@ -33,6 +35,8 @@ STUDY = "experiments/configs/study_a100.yaml"
 GPUS_PER_NODE = 8  # p4d.24xlarge: 8x A100
 MIN_NODES, MAX_NODES = 1, 8
 MLFLOW_URI = "http://127.0.0.1:5000"
+STORAGE_MOUNT = "/mnt/rayvit"        # the shared file system on every node of both clusters
+STORAGE = f"{STORAGE_MOUNT}/ray_results"
 # rayproject/ray or rayproject/ray-ml, tag {version}[-py3x][-cpu|-gpu|-cuXXX][-arch].
 IMAGE_RE = re.compile(r"^rayproject/ray(?:-ml)?:(?P<version>\d+\.\d+\.\d+)(?:-py3\d+)?(?:-(?:cpu|gpu|cu\d+))?")
 
@@ -183,7 +187,8 @@ def test_rayjob_runs_the_a100_study_on_the_raycluster():
     assert job["kind"] == "RayJob"
     assert job["metadata"].get("name") or job["metadata"].get("generateName")
     spec = job["spec"]
-    assert spec["entrypoint"].split() == ["python", "experiments/scaling.py", "--config", STUDY]
+    assert spec["entrypoint"].split() == ["python", "experiments/scaling.py", "--config", STUDY,
+                                          "--set", f"launch.storage={STORAGE}"]
     # The job targets the RayCluster defined next to it (or brings its own cluster spec).
     if "clusterSelector" in spec:
         assert spec["clusterSelector"]["ray.io/cluster"] == _raycluster()["metadata"]["name"]
@@ -278,6 +283,140 @@ def test_study_config_fits_the_clusters():
     if cfg.parallel.accelerator_type:
         resources = _gpu_worker_type(_yaml(LAUNCHER))["resources"]
         assert f"accelerator_type:{cfg.parallel.accelerator_type}" in resources
+
+
+# --------------------------------------------------------------------------------------------------
+# Token authentication and shared storage on every node
+
+
+def test_launcher_turns_token_auth_on_for_every_node_with_a_token_it_distributes():
+    config = _yaml(LAUNCHER)
+    docker = config["docker"]
+    # run_options apply to the head's and the workers' containers alike (and to every `ray exec`).
+    assert "--env RAY_AUTH_MODE=token" in docker["run_options"]
+    for key in ("head_run_options", "worker_run_options"):
+        assert not any("RAY_AUTH_MODE" in o for o in docker.get(key, [])), f"{key} overrides the auth mode"
+    for cmd in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
+        assert "RAY_AUTH_MODE=disabled" not in cmd
+    # The token: Ray's default token file on every node, copied from the operator's own ~/.ray, which
+    # lies outside this repository (so it can never be committed) and is not under the synced checkout.
+    mounts = config["file_mounts"]
+    assert mounts.get("~/.ray/auth_token") == "~/.ray/auth_token"
+    local = Path(mounts["~/.ray/auth_token"]).expanduser().resolve()
+    assert ROOT not in local.parents
+    # Ray's validator accepts it (test_launcher_config_passes_rays_own_validator) and `ray up` copies
+    # file_mounts to the head and from there to every worker (cluster_synced via the bootstrap config).
+
+
+def test_kuberay_turns_token_auth_on_for_every_node():
+    spec = _raycluster()["spec"]
+    # KubeRay >= 1.5.1 (ray-operator/apis/ray/v1/raycluster_types.go: AuthOptions.Mode): the operator
+    # generates the token Secret and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container, the
+    # autoscaler and the RayJob submitter. It refuses the mode below Ray 2.52.
+    assert spec["authOptions"] == {"mode": "token"}
+    assert tuple(int(x) for x in spec["rayVersion"].split(".")) >= (2, 52, 0)
+    # Nothing may switch it off again for one container.
+    templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for c in (c for t in templates for c in _containers(t)):
+        assert not any(e["name"] in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN") for e in c.get("env", [])), c["name"]
+
+
+def test_no_auth_token_is_committed():
+    token_value = re.compile(r"RAY_AUTH_TOKEN\s*[=:]\s*[\"']?[A-Za-z0-9+/_=-]{16,}")
+    for path in list(CLUSTER.rglob("*")) + [ROOT / "README.md"]:
+        if path.is_file():
+            assert not token_value.search(path.read_text()), path
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode == 0:                      # not a git checkout (e.g. a job's working dir): skip
+        assert not [f for f in tracked.stdout.split() if Path(f).name.startswith("auth_token")]
+
+
+def test_launcher_mounts_shared_storage_on_every_node():
+    config = _yaml(LAUNCHER)
+    init = " ".join(config["initialization_commands"])   # on each host, before its container starts
+    assert re.search(rf"mount -t nfs4 .*fs-REPLACE_ME\.efs\.[a-z0-9-]+\.amazonaws\.com:/ {STORAGE_MOUNT}\b", init)
+    assert f"--volume {STORAGE_MOUNT}:{STORAGE_MOUNT}" in config["docker"]["run_options"]
+
+
+def test_kuberay_mounts_one_readwritemany_volume_on_every_pod():
+    rc = _raycluster()
+    (claim,) = [d for d in _docs(RAYCLUSTER) if d["kind"] == "PersistentVolumeClaim"
+                and d["spec"]["accessModes"] == ["ReadWriteMany"]]
+    name = claim["metadata"]["name"]
+    templates = [rc["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in rc["spec"]["workerGroupSpecs"]]
+    for template in templates:
+        volumes = {v["name"] for v in template["spec"]["volumes"]
+                   if v.get("persistentVolumeClaim", {}).get("claimName") == name}
+        ray_container = _containers(template)[0]          # KubeRay runs Ray in container 0
+        mounts = {m["mountPath"] for m in ray_container.get("volumeMounts", []) if m["name"] in volumes}
+        assert mounts == {STORAGE_MOUNT}, ray_container["name"]
+
+
+def test_the_documented_commands_set_the_shared_storage():
+    readme = README.read_text()
+    assert f"--set launch.storage={STORAGE}" in readme
+    assert load_config(ROOT / STUDY, [f"launch.storage={STORAGE}"]).launch.storage == STORAGE
+
+
+# --------------------------------------------------------------------------------------------------
+# What rayvit's capacity check makes of these clusters (the limits as the autoscalers read them)
+
+
+def _launcher_limits() -> capacity.Autoscaler:
+    return capacity.autoscaler_from_config(prepare_config(_yaml(LAUNCHER)), str(LAUNCHER))
+
+
+def _kuberay_limits() -> capacity.Autoscaler:
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    rc = copy.deepcopy(_raycluster())
+    rc["metadata"]["namespace"] = "default"   # set by the API server; Ray's translation reads it
+    return capacity.autoscaler_from_config(_derive_autoscaling_config_from_ray_cr(rc), str(RAYCLUSTER))
+
+
+def _one_node_up() -> tuple[dict, dict]:
+    """The clusters as they start: the CPU head and the one GPU node min_workers keeps."""
+    head = {"CPU": 8.0, "node:__internal_head__": 1.0}
+    worker = {"CPU": 88.0, "GPU": 8.0, "accelerator_type:A100": 1.0}
+    return head, worker
+
+
+@pytest.mark.parametrize("limits", [_launcher_limits, _kuberay_limits], ids=["launcher", "kuberay"])
+def test_every_study_point_fits_or_can_grow_from_one_node(limits):
+    head, worker = _one_node_up()
+    cluster = capacity.Cluster([head, worker], head, limits())
+    study = load_study(ROOT / STUDY)
+    cfg = study.run
+    kinds = {n: capacity.decide(cluster, capacity.Demand.of(cfg.replace({"parallel.num_workers": n}))).kind
+             for n in study.sweep.worker_counts}
+    assert kinds == {8: "fits_now", 16: "can_grow", 32: "can_grow", 64: "can_grow"}
+    # The check the sweep makes before its first point passes for the whole study.
+    capacity.check_plan([cfg.replace({"parallel.num_workers": n}) for n in study.sweep.worker_counts], cluster)
+
+
+@pytest.mark.parametrize("limits", [_launcher_limits, _kuberay_limits], ids=["launcher", "kuberay"])
+def test_a_point_beyond_the_autoscalers_maximum_is_refused_naming_both_numbers(limits):
+    head, worker = _one_node_up()
+    cluster = capacity.Cluster([head, worker], head, limits())
+    cfg = load_config(ROOT / STUDY, ["parallel.num_workers=72"])
+    with pytest.raises(capacity.ClusterTooSmall, match=r"asked for 72 workers .*= 72 GPUs.* at most 8 worker "
+                                                       r"nodes, room for 64 such workers = 64 GPUs"):
+        capacity.check_plan([cfg], cluster)
+
+
+def test_a_fixed_size_cluster_refuses_what_its_nodes_cannot_hold():
+    head, worker = _one_node_up()
+    cluster = capacity.Cluster([head, worker], head, None, ["nowhere"])
+    cfg = load_config(ROOT / STUDY, ["parallel.num_workers=16"])
+    with pytest.raises(capacity.ClusterTooSmall, match=r"asked for 16 workers.*fixed-size cluster.*room for 8"):
+        capacity.check_plan([cfg], cluster)
+
+
+def test_progress_line_counts_gpus_and_nodes():
+    head, worker = _one_node_up()
+    cluster = capacity.Cluster([head, worker], head, _launcher_limits())
+    demand = capacity.Demand.of(load_config(ROOT / STUDY, ["parallel.num_workers=64"]))
+    assert capacity.progress_line(cluster, demand, 130) == "waiting for 56 more GPUs: 1 of 8 nodes up, 2:10 elapsed"
 
 
 # --------------------------------------------------------------------------------------------------

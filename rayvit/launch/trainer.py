@@ -29,16 +29,17 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict
+from rayvit.launch import capacity
+from rayvit.launch.capacity import ClusterTooSmall
 from rayvit.launch.connect import ensure_ray
 from rayvit.launch.progress import ProgressChannel
-from rayvit.launch.resources import resources_for, worker_bundle
+from rayvit.launch.resources import worker_bundle
 from rayvit.launch.storage import check_storage, storage_path
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
 from rayvit.worker.metrics import images_per_sec
 
 logger = logging.getLogger(__name__)
-
 
 
 def train_environment(cfg: Config) -> None:
@@ -48,50 +49,25 @@ def train_environment(cfg: Config) -> None:
     # makes reports cheap.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     # How long a placed worker group may take to start: launch.worker_start_timeout_s, else the variable,
-    # else 30 s (Ray's 60 s default is long for a group that cannot start on a fixed cluster).
-    if cfg.launch.worker_start_timeout_s is not None:
-        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = f"{cfg.launch.worker_start_timeout_s:g}"
-    else:
-        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+    # else 30 s (Ray's 60 s default is long for a group that cannot start on a fixed cluster; points that
+    # need new nodes wait for them before Ray Train starts, in rayvit.launch.capacity).
+    os.environ[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
 
 
 class TrainingError(RuntimeError):
     """A Ray Train run failed; the message holds the cause."""
 
 
-class ClusterTooSmall(RuntimeError):
-    """The request can never be placed on this cluster."""
+def check_cluster_fits(cfgs: list[Config]) -> list:
+    """Raise ``ClusterTooSmall`` if any run can never be placed: on a fixed-size cluster, more than the
+    alive nodes hold; on an autoscaling one, more than its autoscaler's maximum (:mod:`rayvit.launch.capacity`).
 
-
-def check_cluster_fits(cfgs: list[Config]) -> None:
-    """Raise ``ClusterTooSmall`` if any run can never be placed on the running cluster.
-
-    Compares each run's per-worker bundle with every alive node and its total with the cluster. An
-    autoscaling cluster may grow: set ``RAYVIT_SKIP_RESOURCE_CHECK=1`` there.
+    Runs an autoscaler can grow into pass (they wait in ``capacity.capacity_for``); returns a verdict per
+    run. ``RAYVIT_SKIP_RESOURCE_CHECK=1`` skips the check (returns no verdicts).
     """
     if os.environ.get("RAYVIT_SKIP_RESOURCE_CHECK") == "1":
-        return
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    cluster = {k: sum(n.get(k, 0.0) for n in nodes) for k in ("CPU", "GPU")}
-    for cfg in cfgs:
-        p = cfg.parallel
-        bundle = worker_bundle(cfg)
-        fitting_workers = sum(int(min(n.get(k, 0.0) // v for k, v in bundle.items())) for n in nodes)
-        if fitting_workers < p.num_workers:
-            need = resources_for(cfg)
-            raise ClusterTooSmall(
-                f"asked for {p.num_workers} workers x {bundle} ({need} in all, "
-                f"strategy {p.strategy}); the cluster has {len(nodes)} node(s) with "
-                f"{cluster['CPU']:g} CPUs and {cluster['GPU']:g} GPUs in all, room for {fitting_workers} "
-                f"such workers. Lower parallel.num_workers / sweep.worker_counts or "
-                f"parallel.cpus_per_worker, or add nodes (autoscaling clusters: RAYVIT_SKIP_RESOURCE_CHECK=1)")
-        if cfg.data.name == "parquet" and cluster["CPU"] - resources_for(cfg)["CPU"] < 1:
-            # Ray Data reads and decodes in tasks of its own: with every CPU held by a training worker
-            # they never get scheduled and the workers wait forever for their first batch.
-            raise ClusterTooSmall(
-                f"data.name=parquet streams through Ray Data, which needs at least one CPU beside the "
-                f"{p.num_workers} training workers x {p.cpus_per_worker} CPU; the cluster has "
-                f"{cluster['CPU']:g} CPUs. Use fewer workers or CPUs per worker, or add a node")
+        return []
+    return capacity.check_plan(cfgs)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:

@@ -183,6 +183,7 @@ class StudyRun:
     def run_point(self, point: Point, fit: Callable[..., RunResult], tags: Mapping[str, Any],
                   progress: Optional[Progress] = None) -> Outcome:
         """Train ``point`` in a child run of its own; an error is recorded and returned, Ctrl-C raised."""
+        from rayvit.launch.capacity import ClusterTooSmall
         from rayvit.launch.trainer import TrainingError
 
         run_id = self.open_point(point, tags)
@@ -194,7 +195,7 @@ class StudyRun:
                 self.tracker.fail_point(run_id, f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)",
                                         status="KILLED")
                 raise KeyboardInterrupt from e
-            except TrainingError as e:
+            except (TrainingError, ClusterTooSmall) as e:   # ClusterTooSmall: nodes did not come up in time
                 return self._failed(point, run_id, str(e) or repr(e), start, e)
             except Exception as e:  # noqa: BLE001 - one broken point must not lose the rest of a long study
                 return self._failed(point, run_id, traceback.format_exc(), start, e)

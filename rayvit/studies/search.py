@@ -281,6 +281,7 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
     ``ClusterTooSmall`` before anything trains, and
     ``BaselineFailed`` if the baseline cannot give a reference accuracy.
     """
+    from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
     from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits, fit
@@ -305,13 +306,15 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
         f"below the baseline; up to {parallel} trial(s) at once")
     out(f"tracking: {run.uri}, experiment {experiment!r}, parent run {parent}")
     try:
-        baseline = _baseline(run, plan, fit, out)
-        grid, released = _trials(run, plan, baseline, parallel, out)
+        baseline = _baseline(run, plan, capacity.waiting(fit, out), out)
+        # Trials start on whatever is up: hold the cluster at the largest trial's size while they run.
+        with capacity.capacity_for(capacity.largest(trial_cfgs), out):
+            grid, released = _trials(run, plan, baseline, parallel, out)
     except KeyboardInterrupt:
         run.interrupted("trials")
         raise
-    except BaselineFailed:
-        run.tracker.set_parent_tags({"rayvit.error": "baseline failed"})
+    except (BaselineFailed, capacity.ClusterTooSmall) as e:
+        run.tracker.set_parent_tags({"rayvit.error": str(e)[:500]})
         run.tracker.end("FAILED")
         raise
     return _finish(run, plan, baseline, grid, released, output, time.monotonic() - start)

@@ -41,6 +41,7 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     the sweep KILLED, so a rerun of the same name picks up from there. ``ray_log``: see
     :func:`~rayvit.studies.runner.attach_ray`.
     """
+    from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
     from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits, fit
@@ -55,9 +56,12 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     run = StudyRun(study, name, experiment, kind=mode)
     # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
     todo = [p for p in points if run.reusable(p) is None]
+    verdicts = []
     if todo:
         attach_ray(address, name, ray_log, out)
-        check_cluster_fits([p.cfg for p in todo])
+        # Points beyond the autoscaler's maximum (or a fixed cluster's size) are refused here, for the
+        # whole plan; points the autoscaler can grow into wait for it just before they run.
+        verdicts = check_cluster_fits([p.cfg for p in todo])
         check_storage([p.cfg for p in todo])
 
     parent = run.start(_sweep_tags(study, points))
@@ -65,6 +69,9 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
         f"parent run {parent}")
     out(f"tracking: {run.uri}" + ("  (resuming: finished points are reused)" if run.resumed else ""))
     out(f"resume with: --name {name}")
+    growth = capacity.summary(verdicts)
+    if growth:
+        out(growth)
 
     progress = Progress(len(points), out)
     outcomes: list[Outcome] = []
@@ -76,7 +83,7 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
                     out(f"{progress.tag(point)} {point.key}: its settings changed since run "
                         f"{run.changed_since(point)}; running it again")
                 progress.begin(point, len(points) - i)
-                outcome = run.run_point(point, fit, _point_tags(point, mode), progress)
+                outcome = run.run_point(point, capacity.waiting(fit, out), _point_tags(point, mode), progress)
             outcomes.append(outcome)
             progress.end(outcome)
             _log_curves(run, rows_of(outcomes, mode), mode)

@@ -1,0 +1,514 @@
+"""Cluster capacity: what a Ray cluster holds now, what its autoscaler can grow it to, and waiting for it.
+
+A run asks for ``num_workers`` bundles of one shape (``{"CPU": c, "GPU": 1}``). For each run this module
+decides one of:
+
+- ``fits_now``: the alive nodes can hold every bundle;
+- ``can_grow``: they cannot, but the autoscaler may add nodes that can (wait for them, up to
+  ``launch.scale_up_timeout_s``);
+- ``never_fits``: even at the autoscaler's maximum the bundles do not fit (refused up front, naming
+  both numbers);
+- ``too_small``: a fixed-size cluster (no autoscaler found) that cannot hold them (refused at once).
+
+Where the autoscaler's maximum comes from. Ray 2.60's autoscalers (v1 and v2) do not publish their
+node types or limits to the GCS: the GCS slot meant for it (``ray._private.state.state
+.get_cluster_config()``, which Ray Train V2 reads before placing a worker group) is filled by nothing in
+open-source Ray. So the limits are read from the config the autoscaler itself reads:
+
+1. the autoscaler monitor process of *this* cluster on this machine (the head): its
+   ``--autoscaling-config`` file, matched to our GCS address so another cluster on the same machine
+   is never mistaken for ours. Covers ``ray up`` (the launcher starts the head with
+   ``--autoscaling-config=~/ray_bootstrap_config.yaml``, autoscaler v1 or v2) and the fake provider;
+2. ``~/ray_bootstrap_config.yaml`` when the driver runs on the head node (what Ray Tune checks too);
+3. on KubeRay, the RayCluster custom resource, translated by Ray's own
+   ``AutoscalingConfigProducer`` (the code the KubeRay autoscaler sidecar runs); the head pod's
+   service account may read it.
+
+A driver that finds none of these treats the cluster as fixed-size. ``ray job submit`` runs drivers on
+the head node, where 1-3 apply.
+
+Waiting asks the autoscaler for the whole run up front with ``ray.autoscaler.sdk.request_resources``
+(so all nodes boot in one round, before Ray Train's worker-group start timeout begins) and releases
+the request afterwards. ``request_resources`` replaces any earlier request on the cluster: rayvit
+assumes it is the cluster's only user of that call while a point runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+logger = logging.getLogger(__name__)
+
+FITS_NOW, CAN_GROW, NEVER_FITS, TOO_SMALL = "fits_now", "can_grow", "never_fits", "too_small"
+
+WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
+_HEAD_RESOURCE = "node:__internal_head__"
+_EPS = 1e-9
+
+
+class ClusterTooSmall(RuntimeError):
+    """The request can never be placed on this cluster (or the autoscaler's maximum)."""
+
+
+class ScaleUpTimeout(ClusterTooSmall):
+    """The autoscaler did not bring up the nodes a run needs before ``launch.scale_up_timeout_s``."""
+
+
+# --------------------------------------------------------------------------------------------------
+# What a run asks for
+
+
+@dataclass(frozen=True)
+class Demand:
+    """``workers`` bundles of ``bundle``, plus ``spare_cpus`` CPUs left free beside them."""
+
+    workers: int
+    bundle: dict[str, float]
+    spare_cpus: float = 0.0
+    strategy: str = ""
+
+    @property
+    def what(self) -> str:
+        return f"{self.strategy} x {self.workers} worker{'' if self.workers == 1 else 's'}"
+
+    @classmethod
+    def of(cls, cfg) -> "Demand":
+        from rayvit.launch.resources import worker_bundle
+
+        p = cfg.parallel
+        bundle = worker_bundle(cfg)
+        if p.accelerator_type:
+            # Ray Train adds this constraint to every worker bundle (ScalingConfig.accelerator_type).
+            bundle[f"accelerator_type:{p.accelerator_type}"] = 0.001
+        # Ray Data reads and decodes in tasks of its own: with every CPU held by a training worker they
+        # never get scheduled and the workers wait forever for their first batch.
+        spare = 1.0 if cfg.data.name == "parquet" else 0.0
+        return cls(p.num_workers, bundle, spare, p.strategy)
+
+    @property
+    def unit(self) -> str:
+        """The resource people count this run in: GPUs if it uses them, else CPUs."""
+        return "GPU" if "GPU" in self.bundle else "CPU"
+
+    def total(self, key: str) -> float:
+        return self.bundle.get(key, 0.0) * self.workers + (self.spare_cpus if key == "CPU" else 0.0)
+
+    def bundles(self) -> list[dict[str, float]]:
+        """What ``request_resources`` is asked for: every worker bundle, plus the spare CPU."""
+        extra = [{"CPU": self.spare_cpus}] if self.spare_cpus else []
+        return [dict(self.bundle) for _ in range(self.workers)] + extra
+
+
+def per_node(resources: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many ``bundle``s one node with ``resources`` holds."""
+    counts = [math.floor(resources.get(k, 0.0) / v + _EPS) for k, v in bundle.items() if v > 0]
+    return max(0, min(counts)) if counts else 0
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def _plural(n: float, word: str) -> str:
+    return f"{_fmt(n)} {word}{'' if n == 1 else 's'}"
+
+
+# --------------------------------------------------------------------------------------------------
+# What the cluster is and may become
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """A worker node type the autoscaler may launch: its resources and how many of it at most."""
+
+    name: str
+    resources: dict[str, float]
+    max_nodes: int
+
+
+@dataclass(frozen=True)
+class Autoscaler:
+    """The autoscaler's limits: worker node types and the cap on worker nodes of all types together."""
+
+    source: str
+    node_types: tuple[NodeType, ...]
+    max_workers: Optional[int] = None
+
+    def plan(self, bundle: dict[str, float], workers: int) -> list[tuple[NodeType, int]]:
+        """The fewest worker nodes that hold ``workers`` bundles, biggest holders first, within the
+        limits; with ``workers`` beyond the maximum, every node the limits allow."""
+        left = self.max_workers if self.max_workers is not None else float("inf")
+        chosen = []
+        for t in sorted(self.node_types, key=lambda t: -per_node(t.resources, bundle)):
+            each = per_node(t.resources, bundle)
+            if each <= 0 or workers <= 0 or left <= 0:
+                continue
+            n = int(min(t.max_nodes, left, math.ceil(workers / each)))
+            chosen.append((t, n))
+            workers -= n * each
+            left -= n
+        return chosen
+
+    def describe(self) -> str:
+        types = ", ".join(f"{t.max_nodes} x {t.name} {{{', '.join(f'{k}: {_fmt(v)}' for k, v in t.resources.items() if k in ('CPU', 'GPU'))}}}"
+                          for t in self.node_types)
+        cap = f", at most {self.max_workers} worker nodes in all" if self.max_workers is not None else ""
+        return f"up to {types}{cap} (autoscaler config: {self.source})"
+
+
+@dataclass
+class Cluster:
+    """The alive nodes' total resources (head first, if known) and the autoscaler, if one was found."""
+
+    nodes: list[dict[str, float]]
+    head: Optional[dict[str, float]] = None
+    autoscaler: Optional[Autoscaler] = None
+    looked_at: list[str] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list[dict[str, float]]:
+        return [n for n in self.nodes if n is not self.head]
+
+    def total(self, key: str) -> float:
+        return sum(n.get(key, 0.0) for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What this cluster can do for one run."""
+
+    demand: Demand
+    kind: str                       # FITS_NOW, CAN_GROW, NEVER_FITS or TOO_SMALL
+    fits_now: int                   # bundles the alive nodes hold
+    ceiling: Optional[int] = None   # bundles the cluster holds at the autoscaler's maximum
+    message: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return self.kind in (NEVER_FITS, TOO_SMALL)
+
+
+def _ceiling(cluster: Cluster, demand: Demand) -> tuple[int, float]:
+    """Bundles and CPUs at the autoscaler's maximum: the head as it is, every worker node the limits
+    allow (nodes up now are among them), or what is up now if that is more."""
+    a = cluster.autoscaler
+    assert a is not None
+    head = cluster.head or {}
+    grown = a.plan(demand.bundle, 10**9)
+    bundles = per_node(head, demand.bundle) + sum(per_node(t.resources, demand.bundle) * n for t, n in grown)
+    cpus = head.get("CPU", 0.0) + sum(t.resources.get("CPU", 0.0) * n for t, n in grown)
+    now = sum(per_node(n, demand.bundle) for n in cluster.nodes)
+    return max(bundles, now), max(cpus, cluster.total("CPU"))
+
+
+def decide(cluster: Cluster, demand: Demand) -> Verdict:
+    """Whether ``demand`` fits the cluster now, after the autoscaler grows it, or never."""
+    now = sum(per_node(n, demand.bundle) for n in cluster.nodes)
+    cpus_now = cluster.total("CPU")
+    if now >= demand.workers and cpus_now - demand.total("CPU") >= -_EPS:
+        return Verdict(demand, FITS_NOW, now)
+    if cluster.autoscaler is None:
+        return Verdict(demand, TOO_SMALL, now, None, _too_small(cluster, demand, now))
+    ceiling, cpus_max = _ceiling(cluster, demand)
+    if ceiling >= demand.workers and cpus_max - demand.total("CPU") >= -_EPS:
+        return Verdict(demand, CAN_GROW, now, ceiling)
+    return Verdict(demand, NEVER_FITS, now, ceiling, _never_fits(cluster, demand, ceiling, cpus_max))
+
+
+def _bundle_text(demand: Demand) -> str:
+    return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in demand.bundle.items()) + "}"
+
+
+def _too_small(cluster: Cluster, demand: Demand, now: int) -> str:
+    where = ", ".join(cluster.looked_at) or "nowhere"
+    if now < demand.workers:
+        need = (f"asked for {demand.workers} workers x {_bundle_text(demand)} ({_plural(demand.total(demand.unit), demand.unit)} "
+                f"in all, strategy {demand.strategy}); this fixed-size cluster has {len(cluster.nodes)} node(s) with "
+                f"{_fmt(cluster.total('CPU'))} CPUs and {_fmt(cluster.total('GPU'))} GPUs in all, room for {now} "
+                f"such workers.")
+    else:
+        need = (f"data.name=parquet streams through Ray Data, which needs at least one CPU beside the "
+                f"{demand.what} x {_fmt(demand.bundle['CPU'])} CPU; this fixed-size cluster has "
+                f"{_fmt(cluster.total('CPU'))} CPUs.")
+    return (f"{need} Lower parallel.num_workers / sweep.worker_counts or parallel.cpus_per_worker, or add "
+            f"nodes. (No autoscaler was found, looked at: {where}. On an autoscaling cluster run the driver "
+            f"on the head node, as `ray job submit` does.)")
+
+
+def _never_fits(cluster: Cluster, demand: Demand, ceiling: int, cpus_max: float) -> str:
+    a = cluster.autoscaler
+    assert a is not None
+    unit, each = demand.unit, demand.bundle.get(demand.unit, 0.0)
+    if ceiling < demand.workers:
+        nodes = sum(n for _, n in a.plan(demand.bundle, 10**9))
+        return (f"asked for {demand.workers} workers x {_bundle_text(demand)} = {_plural(demand.workers * each, unit)} "
+                f"(strategy {demand.strategy}); "
+                f"the autoscaler can grow this cluster to at most {_plural(nodes, 'worker node')}, room for "
+                f"{ceiling} such workers = {_plural(ceiling * each, unit)} ({a.describe()}). Lower "
+                f"parallel.num_workers / sweep.worker_counts to at most {ceiling}, or raise the autoscaler's "
+                f"max_workers")
+    return (f"data.name=parquet streams through Ray Data, which needs at least one CPU beside the "
+            f"{demand.what} x {_fmt(demand.bundle['CPU'])} CPU; at the autoscaler's maximum this cluster "
+            f"has {_fmt(cpus_max)} CPUs ({a.describe()})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the autoscaler's limits
+
+
+def autoscaler_from_config(config: dict[str, Any], source: str) -> Autoscaler:
+    """The limits in an autoscaling config (launcher YAML, ``ray_bootstrap_config.yaml``, or the dict
+    Ray derives from a RayCluster): every node type but the head's, with its resources and max_workers."""
+    types = config.get("available_node_types") or {}
+    head = config.get("head_node_type")
+    cap = config.get("max_workers")
+    node_types = []
+    for name, spec in types.items():
+        if name == head:
+            continue
+        # A node type without its own max_workers is limited by the global one only (Ray's schema).
+        most = spec.get("max_workers", cap if cap is not None else 0)
+        if cap is not None:
+            most = min(most, cap)
+        resources = {k: float(v) for k, v in (spec.get("resources") or {}).items()}
+        if most > 0 and resources:
+            node_types.append(NodeType(name, resources, int(most)))
+    return Autoscaler(source, tuple(node_types), int(cap) if cap is not None else None)
+
+
+def _read_config_file(path: str) -> Optional[dict[str, Any]]:
+    import yaml  # JSON is YAML too: ray up writes the bootstrap config as JSON
+
+    try:
+        with open(os.path.expanduser(path)) as f:
+            config = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        logger.warning("cannot read the autoscaling config %s: %s", path, e)
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _same_gcs(ours: str, theirs: str, local_ips: set[str]) -> bool:
+    host, _, port = ours.rpartition(":")
+    their_host, _, their_port = theirs.rpartition(":")
+    if port != their_port:
+        return False
+    # The monitor runs on this machine: a loopback or any of this node's addresses names the same GCS.
+    return host == their_host or host in local_ips or host.startswith("127.") or host == "localhost"
+
+
+def monitor_config_path(gcs_address: str, local_ips: set[str], proc: Path = Path("/proc")) -> Optional[str]:
+    """``--autoscaling-config`` of the autoscaler monitor (v1 or v2) serving ``gcs_address`` on this machine."""
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            args = (proc / entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not any(a.endswith(("autoscaler/_private/monitor.py", "autoscaler/v2/monitor.py")) for a in args):
+            continue
+        opts = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+        if opts.get("autoscaling-config") and _same_gcs(gcs_address, opts.get("gcs-address", ""), local_ips):
+            return opts["autoscaling-config"]
+    return None
+
+
+def _kuberay_autoscaler() -> tuple[Optional[Autoscaler], Optional[str]]:
+    """On a KubeRay pod: the limits in this pod's RayCluster, read with the pod's service account."""
+    name = os.environ.get("RAY_CLUSTER_NAME")       # KubeRay sets it on every Ray container
+    ns_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    if not name or not ns_file.exists():
+        return None, None
+    source = f"RayCluster {name}"
+    try:
+        from ray.autoscaler._private.kuberay.autoscaling_config import AutoscalingConfigProducer
+
+        config = AutoscalingConfigProducer(name, ns_file.read_text().strip())()
+    except Exception as e:  # noqa: BLE001 - RBAC or API errors mean "not known", never a crash
+        logger.warning("cannot read RayCluster %s from the Kubernetes API: %s", name, e)
+        return None, source + " (unreadable)"
+    return autoscaler_from_config(config, source), source
+
+
+def find_autoscaler() -> tuple[Optional[Autoscaler], list[str]]:
+    """The attached cluster's autoscaler limits, and the places looked at (for messages)."""
+    import ray
+
+    looked = []
+    gcs = ray.get_runtime_context().gcs_address
+    node_ip = ray.util.get_node_ip_address()
+    path = monitor_config_path(gcs, {node_ip})
+    looked.append("the autoscaler monitor on this node")
+    if path:
+        config = _read_config_file(path)
+        if config:
+            return autoscaler_from_config(config, path), looked
+    on_head = any(n.get("Alive") and n["NodeID"] == ray.get_runtime_context().get_node_id()
+                  and _HEAD_RESOURCE in n["Resources"] for n in ray.nodes())
+    bootstrap = Path(os.path.expanduser(BOOTSTRAP_CONFIG))
+    looked.append(BOOTSTRAP_CONFIG + ("" if on_head else " (not on the head node)"))
+    if on_head and bootstrap.exists():
+        config = _read_config_file(str(bootstrap))
+        if config:
+            return autoscaler_from_config(config, BOOTSTRAP_CONFIG), looked
+    found, source = _kuberay_autoscaler()
+    looked.append(source or "a KubeRay RayCluster (not on Kubernetes)")
+    return found, looked
+
+
+def read_cluster() -> Cluster:
+    """The attached cluster: alive nodes and the autoscaler's limits. Needs ``ray.init`` first."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = [dict(n["Resources"]) for n in alive]
+    head = next((r for r in nodes if _HEAD_RESOURCE in r), None)
+    autoscaler, looked = find_autoscaler()
+    return Cluster(nodes, head, autoscaler, looked)
+
+
+# --------------------------------------------------------------------------------------------------
+# The checks the sweep and the search make
+
+
+def check_plan(cfgs: list, cluster: Optional[Cluster] = None) -> list[Verdict]:
+    """A verdict per config; raises ``ClusterTooSmall`` naming the first run that can never be placed.
+
+    Runs the autoscaler can grow into pass: they wait for it, one at a time, in :func:`capacity_for`.
+    """
+    cluster = cluster if cluster is not None else read_cluster()
+    verdicts = [decide(cluster, Demand.of(c)) for c in cfgs]
+    for v in verdicts:
+        if v.refused:
+            raise ClusterTooSmall(v.message)
+    return verdicts
+
+
+def summary(verdicts: list[Verdict]) -> Optional[str]:
+    """One line about the runs that need the autoscaler, or None when every run fits now."""
+    grow = [v for v in verdicts if v.kind == CAN_GROW]
+    if not grow:
+        return None
+    largest = max(grow, key=lambda v: v.demand.total(v.demand.unit))
+    return (f"cluster: {len(grow)} of {len(verdicts)} run(s) wait for the autoscaler to add nodes (the largest, "
+            f"{largest.demand.what}, needs {_plural(largest.demand.total(largest.demand.unit), largest.demand.unit)}; "
+            f"at most {largest.ceiling} such workers fit at the autoscaler's maximum)")
+
+
+def largest(cfgs: list):
+    """The config that asks for the most of its unit (GPUs, else CPUs)."""
+    return max(cfgs, key=lambda c: (Demand.of(c).total("GPU"), Demand.of(c).total("CPU")))
+
+
+def worker_start_timeout_s(cfg) -> float:
+    """``launch.worker_start_timeout_s``, else ``$RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``, else 30."""
+    if cfg.launch.worker_start_timeout_s is not None:
+        return float(cfg.launch.worker_start_timeout_s)
+    return float(os.environ.get(WORKER_START_TIMEOUT_ENV, 30))
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress_line(cluster: Cluster, demand: Demand, elapsed: float) -> str:
+    """``waiting for 56 more GPUs: 1 of 8 nodes up, 2:10 elapsed``."""
+    now = sum(per_node(n, demand.bundle) for n in cluster.nodes)
+    missing = max(demand.workers - now, 0) * demand.bundle.get(demand.unit, 0.0)
+    if missing == 0 and demand.spare_cpus:
+        missing = max(demand.total("CPU") - cluster.total("CPU"), 0.0)
+    on_head = per_node(cluster.head or {}, demand.bundle)
+    needed = (sum(n for _, n in cluster.autoscaler.plan(demand.bundle, demand.workers - on_head))
+              if cluster.autoscaler else 0)
+    up = sum(1 for n in cluster.workers if per_node(n, demand.bundle) > 0)
+    return (f"waiting for {_fmt(missing)} more {demand.unit}{'' if missing == 1 else 's'}: {min(up, needed)} of "
+            f"{_plural(needed, 'node')} up, {_clock(elapsed)} elapsed")
+
+
+def _request(bundles: list[dict[str, float]]) -> None:
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
+
+
+@contextlib.contextmanager
+def capacity_for(cfg, out: Callable[[str], None] = print, *, poll_s: float = 1.0,
+                 report_every_s: float = 15.0) -> Iterator[Verdict]:
+    """Hold the cluster at the size ``cfg`` needs while the body runs.
+
+    Refuses runs that can never fit (``ClusterTooSmall``). When the autoscaler can grow the cluster to
+    fit, asks it for every bundle at once, prints progress through ``out`` and waits until the alive
+    nodes hold the run, up to ``launch.scale_up_timeout_s`` (then ``ScaleUpTimeout``); the request is
+    released when the body ends.
+    """
+    demand = Demand.of(cfg)
+    cluster = read_cluster()
+    verdict = decide(cluster, demand)
+    if verdict.refused:
+        raise ClusterTooSmall(verdict.message)
+    requested = False
+    try:
+        if verdict.kind == CAN_GROW:
+            _request(demand.bundles())
+            requested = True
+            verdict = _wait(cfg, demand, cluster, out, poll_s, report_every_s)
+        yield verdict
+    finally:
+        if requested:
+            try:
+                _request([])   # an empty request withdraws ours; idle nodes then time out as usual
+            except Exception as e:  # noqa: BLE001 - the run's own outcome matters more than this
+                logger.warning("could not withdraw the autoscaler request: %s", e)
+
+
+def _wait(cfg, demand: Demand, cluster: Cluster, out: Callable[[str], None], poll_s: float,
+          report_every_s: float) -> Verdict:
+    import ray
+
+    deadline_s = float(cfg.launch.scale_up_timeout_s)
+    start = time.monotonic()
+    out(f"{demand.what}: asked the autoscaler for {_plural(demand.total(demand.unit), demand.unit)} "
+        f"(waiting up to {_clock(deadline_s)}, launch.scale_up_timeout_s); "
+        + progress_line(cluster, demand, 0.0))
+    last = start
+    while True:
+        time.sleep(poll_s)
+        cluster.nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+        cluster.head = next((r for r in cluster.nodes if _HEAD_RESOURCE in r), None)
+        verdict = decide(cluster, demand)
+        elapsed = time.monotonic() - start
+        if verdict.kind == FITS_NOW:
+            out(f"{demand.what}: the cluster holds it after {_clock(elapsed)} ({len(cluster.workers)} worker "
+                f"node(s) up)")
+            return verdict
+        if elapsed >= deadline_s:
+            raise ScaleUpTimeout(
+                f"{demand.what}: the autoscaler did not grow the cluster in time: "
+                f"{progress_line(cluster, demand, elapsed)} (launch.scale_up_timeout_s={_fmt(deadline_s)}). "
+                f"`ray status` on the head shows pending and failed launches (quota, capacity, image pull)")
+        if time.monotonic() - last >= report_every_s:
+            out(f"{demand.what}: {progress_line(cluster, demand, elapsed)}")
+            last = time.monotonic()
+
+
+def waiting(fit: Callable[..., Any], out: Callable[[str], None] = print) -> Callable[..., Any]:
+    """``fit`` wrapped in :func:`capacity_for`: each call waits for its nodes, then runs."""
+
+    def run(cfg, **kwargs):
+        with capacity_for(cfg, out):
+            return fit(cfg, **kwargs)
+
+    return run
