@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   python experiments/scaling.py --config experiments/configs/ladder_cpu.yaml
   python experiments/scaling.py --set sweep.worker_counts=1,2 --set train.steps=10 --name quick
   python experiments/scaling.py --name quick                     # rerun: finished points are reused
+  python experiments/scaling.py --project --config experiments/configs/study_a100.yaml \
+      --hardware a100-40gb h100-sxm                              # projected table + PNG, nothing runs
 
 tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else sqlite:///~/.rayvit/mlflow.db
 ($RAYVIT_HOME moves it). Sweep names are unique per experiment; reusing one resumes that sweep.""")
@@ -48,6 +50,23 @@ tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else sqlite:///~
                         help="print the planned points and the resources each needs, then exit")
     parser.add_argument("--address", help="Ray cluster to attach to (default: $RAY_ADDRESS, as set by "
                                           "`ray job submit`; else a local instance)")
+    projection = parser.add_argument_group(
+        "projection (no Ray, nothing runs)",
+        "--project prints, per chip count and strategy (ddp, fsdp with and without reshard_after_forward, "
+        "fairscale_oss, fairscale_fsdp, as the config allows): step time, images/s and TFLOPS per chip, MFU, "
+        "ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer), "
+        "memory per rank, whether it fits the chip, and the largest batch that fits; then writes a PNG of "
+        "projected TFLOPS per chip against chips. Compute comes from --measured, else the chip's peak times a "
+        "stated efficiency; links and memory from the hardware profile (rayvit/projection/profiles.py).")
+    projection.add_argument("--project", action="store_true", help="project the config's sweep instead of running it")
+    projection.add_argument("--hardware", nargs="+", default=None, metavar="PROFILE",
+                            help="hardware profiles: a100-40gb, a100-80gb, h100-sxm, h200, cpu (default: "
+                                 "a100-40gb on GPU configs, cpu otherwise)")
+    projection.add_argument("--chips", type=int, nargs="+", help="chip counts (default: sweep.worker_counts)")
+    projection.add_argument("--measured", metavar="JSON",
+                            help="a single-chip rate: a point's result.json, `python -m rayvit.bench --json` "
+                                 "output or experiments/gpu_check.py's JSON (needed for the cpu profile)")
+    projection.add_argument("--out-dir", default="results", help="where the PNG goes (default: results/)")
     return parser.parse_args(argv)
 
 
@@ -62,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         points = plan(cfg)
+        if args.project:
+            from rayvit.projection import cli
+
+            hardware = args.hardware or (["a100-40gb"] if cfg.parallel.use_gpu else ["cpu"])
+            cli.run(cfg, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir)
+            return 0
         if args.dry_run:
             print(f"config: {args.config}")
             print(describe_plan(cfg, points))

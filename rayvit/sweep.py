@@ -378,6 +378,7 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
     point and the sweep KILLED, so a rerun of the same name picks up from there.
     """
     from rayvit import plots, tracking
+    from rayvit.projection import insweep as projection_hooks
     from rayvit.trainer import check_cluster_fits, ensure_ray, fit
 
     name = cfg.sweep.name or default_sweep_name(cfg)
@@ -394,9 +395,11 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
     tracker.find_parent()
     done = tracker.completed()
     todo = [p for p in points if done.get(p.key, (None, None, None))[2] != p.config_hash]
+    links = None
     if todo:
         ensure_ray(address)
         check_cluster_fits([p.cfg for p in todo])
+        links = projection_hooks.measure(cfg, todo, address, out)
 
     parent = tracker.start(params=cfg.flatten(), tags=_sweep_tags(cfg, points), config_yaml=cfg.to_yaml())
     out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "
@@ -419,6 +422,7 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
                 outcome = _run_point(point, tracker, fit)
             outcomes.append(outcome)
             progress.end(outcome)
+            projection_hooks.judge(tracker, outcomes, links, out)
             _log_curves(tracker, rows_of(outcomes, mode), mode)
     except KeyboardInterrupt:
         tracker.set_parent_tags({"rayvit.interrupted_at": points[len(outcomes)].key
@@ -438,6 +442,7 @@ def run_sweep(cfg: Config, *, experiment: Optional[str] = None, address: Optiona
             files.append(plots.ladder_figure(ok, Path(tmp) / "ladder.png",
                                              title=f"{name}: optimization ladder at {points[0].world_size} "
                                                    f"chip{'s' if points[0].world_size > 1 else ''}"))
+        files += projection_hooks.artifacts(outcomes, links, Path(tmp), f"{name}: measured against projected")
         for f in files:
             tracker.log_parent_file(f)
             report.artifacts.append(f.name)

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rayvit.config import ConfigError
 from rayvit.hardware import PEAK_TFLOPS
 
 GB = 1e9
@@ -154,7 +155,7 @@ def get_profile(name: str) -> HardwareProfile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise KeyError(f"unknown hardware profile {name!r}; choose one of: "
+        raise ConfigError(f"unknown hardware profile {name!r}; choose one of: "
                        f"{', '.join([*PROFILES, 'cpu'])}") from None
 
 
