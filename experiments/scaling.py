@@ -72,6 +72,8 @@ tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else sqlite:///~
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.project:
+        return project(args)
     from rayvit.config import ConfigError, load_config
     from rayvit.sweep import describe_plan, eprint, plan, print_summary, run_sweep
     from rayvit.tracking import TrackingError
@@ -81,12 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         points = plan(cfg)
-        if args.project:
-            from rayvit.projection import cli
-
-            hardware = args.hardware or (["a100-40gb"] if cfg.parallel.use_gpu else ["cpu"])
-            cli.run(cfg, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir)
-            return 0
         if args.dry_run:
             print(f"config: {args.config}")
             print(describe_plan(cfg, points))
@@ -102,6 +98,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print_summary(report)
     return report.exit_code
+
+
+def project(args: argparse.Namespace) -> int:
+    """``--project``: the projection table and PNG; imports neither Ray nor torch.distributed."""
+    from rayvit.config import ConfigError, load_config
+    from rayvit.projection import cli
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hardware = args.hardware or (["a100-40gb"] if cfg.parallel.use_gpu else ["cpu"])
+        cli.run(cfg, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def run(cfg: Config, *, hardware: list[str], chips: Optional[list[int]] = None, 
         out(f"\nprojection: {m.name} {m.image_size}px, batch {cfg.train.batch_size}/chip, "
             f"{p.mode}{'' if p.mode == 'fp32' else '/' + p.dtype}, reduce {cfg.parallel.reduce_dtype}, "
             f"{cfg.optim.name}-{cfg.optim.impl} on {profile.name} ({profile.source})")
-        out(f"compute: {rate.source}; overlap {profile.overlap:g}; links: NVLink busbw "
+        out(f"compute: {rate.source}; overlap {profile.overlap:g}; links: intra-node busbw "
             f"{profile.intra.busbw / 1e9:.0f} GB/s, {profile.chips_per_node} chips/node, inter-node busbw "
             f"{profile.inter.busbw / 1e9:.0f} GB/s per node")
         out(report.format_table(points))

@@ -1,6 +1,11 @@
 """Collective microbenchmark: all-reduce, all-gather, reduce-scatter, broadcast and reduce time against
 message size on the cluster a sweep is given, fitted to ``latency + factor x bytes / busbw``.
 
+Each collective is timed the way a training step issues it: right after a short compute segment, with
+no barrier to line the ranks up, so the fitted latency includes the wait for the slowest rank (on a
+shared CPU host: OS scheduling of co-located workers and Ray's own processes) as well as the transfer.
+Barrier-aligned times (nccl-tests style) are kept beside them in the JSON for reference.
+
 ``measure_links`` runs :func:`worker_benchmark` on N Ray Train workers (gloo on CPU, NCCL on GPU) and
 returns a *links* dict (JSON-able) that :func:`rayvit.projection.profiles.with_measured_links` turns into
 a profile. Beside the links it measures two host properties the step model needs: the compute slowdown
@@ -54,23 +59,66 @@ def _timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2) -> dict[str, list[list[float]]]:
-    """``{kind: [[bytes, seconds], ...]}``, sizes as nccl-tests counts them (whole array), fp32."""
+def _busy(seconds: float, device) -> None:
+    """Matmuls for about ``seconds``: the compute a rank does between two collectives of a step."""
+    import torch
+
+    a = torch.randn(128, 128, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _in_step(op, device, repeats: int, segment_s: float) -> float:
+    """Mean cost of ``op`` issued right after a compute segment, as inside a training step.
+
+    The mean, not the median: step times add up, and the wait for a descheduled peer is a rare but
+    long tail (a scheduler time slice) that the median would drop.
+
+    No barrier aligns the ranks: the collective waits for the slowest rank's segment, as it does in
+    training (OS scheduling, shared cores and co-located processes all show up here), which a
+    barrier-aligned timing hides. Cost = (segment + op) - segment, both timed on this rank.
+    """
+    import torch.distributed as dist
+
+    costs = []
+    dist.barrier()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _busy(segment_s, device)
+        mid = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        costs.append(time.perf_counter() - mid)
+    return statistics.fmean(costs)
+
+
+def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_s: float = 2e-3
+                     ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """``({kind: [[bytes, seconds], ...]} in a step, the same barrier-aligned)``; sizes as nccl-tests
+    counts them (whole array), fp32. The in-step times are what the projection uses."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
-    points: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+    in_step: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+    aligned: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     for size in sizes:
         numel = max(n, size // 4 // n * n)
         buf = torch.ones(numel, device=device)
         shard = torch.ones(numel // n, device=device)
         for kind in KINDS:
+            op = lambda: _run(kind, buf, shard, dist)  # noqa: E731
             for _ in range(warmup):
-                _run(kind, buf, shard, dist)
-            seconds = _timed(lambda: _run(kind, buf, shard, dist), device, repeats)
-            points[kind].append([float(numel * 4), seconds])
-    return points
+                op()
+            aligned[kind].append([float(numel * 4), _timed(op, device, repeats)])
+            in_step[kind].append([float(numel * 4), _in_step(op, device, 2 * repeats, segment_s)])
+    return in_step, aligned
 
 
 def fit_link(points: list[list[float]], kind: str, n: int) -> dict[str, float]:
@@ -112,8 +160,12 @@ def _train_probe(model_cfg: Optional[dict], device, batch: int):
     return step
 
 
-def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, repeats: int = 12) -> float:
-    """max over ranks of (time with every rank computing) / (rank 0's time computing alone)."""
+def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: int = 3,
+                         steps: int = 4) -> float:
+    """Median over rounds of (rank 0's step time while every rank computes) / (while the others sleep).
+
+    Sleeping ranks use no CPU, so 'alone' really is alone; alternating rounds cancel drift.
+    """
     import torch
     import torch.distributed as dist
 
@@ -121,12 +173,32 @@ def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, repeats:
     for _ in range(2):
         step()
     rank = dist.get_rank()
-    alone = _timed(step if rank == 0 else (lambda: None), device, repeats)
-    together = _timed(step, device, repeats)
-    mine = torch.tensor([alone if rank == 0 else 0.0, together], dtype=torch.float64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return max(t[1].item() for t in everyone) / everyone[0][0].item()
+    one = torch.tensor([_timed_plain(step, device) if rank == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(one, src=0)
+    ratios = []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            alone = statistics.median(_timed_plain(step, device) for _ in range(steps))
+        else:
+            time.sleep(steps * one.item() * 1.5)
+        dist.barrier()
+        together = statistics.median(_timed_plain(step, device) for _ in range(steps))
+        if rank == 0:
+            ratios.append(together / alone)
+    mine = torch.tensor([statistics.median(ratios) if rank == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(mine, src=0)
+    return mine.item()
+
+
+def _timed_plain(fn, device) -> float:
+    import torch
+
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def copy_bandwidth(device, megabytes: int) -> float:
@@ -156,12 +228,13 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     dist.all_gather_object(hosts, socket.gethostname())
     start = time.perf_counter()
     sizes = config.get("sizes") or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
-    points = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)))
+    points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)))
     slowdown = shared_host_slowdown(device, config.get("model"), int(config.get("batch", 8)))
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
     links = {"backend": dist.get_backend(), "world_size": n, "nodes": len(set(hosts)),
              "device": device.type, "shared_host_slowdown": slowdown, "memory_bw": bandwidth,
-             "collectives": {k: {**fit_link(p, k, n), "points": p} for k, p in points.items()},
+             "collectives": {k: {**fit_link(p, k, n), "points": p, "aligned_points": aligned[k]}
+                             for k, p in points.items()},
              "seconds": time.perf_counter() - start}
     return links if dist.get_rank() == 0 else {}
 

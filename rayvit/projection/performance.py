@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rayvit.complexity import vit_complexity
-from rayvit.config import Config
+from rayvit.config import Config, ConfigError
 from rayvit.projection import comms, memory
 from rayvit.projection.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
@@ -144,16 +144,26 @@ def optimizer_time(cfg: Config, n: int, profile: HardwareProfile, *,
 
 
 def peak_flops(cfg: Config, profile: HardwareProfile) -> Optional[float]:
-    return profile.peak_flops(Dtypes.of(cfg).peak_key(cfg.precision.dtype))
+    """The chip's dense peak for the precision's dtype; on CPUs a matmul rate timed here (as for MFU)."""
+    peak = profile.peak_flops(Dtypes.of(cfg).peak_key(cfg.precision.dtype))
+    if peak is None and profile.accelerator is None:
+        import torch
+
+        from rayvit.hardware import measured_matmul_flops
+
+        dtype = torch.float32 if cfg.precision.mode == "fp32" else torch.bfloat16
+        peak = measured_matmul_flops("cpu", dtype, cfg.parallel.cpus_per_worker)
+    return peak
 
 
 def compute_from_peak(cfg: Config, profile: HardwareProfile) -> ComputeRate:
     peak = peak_flops(cfg, profile)
     if peak is None:
-        raise ValueError(f"profile {profile.name} has no peak table entry: give a measured single-chip rate")
+        raise ConfigError(f"hardware profile {profile.name} has no peak in rayvit.hardware.PEAK_TFLOPS: "
+                          "give a measured single-chip rate (--measured)")
     flops = vit_complexity(cfg.model).train_flops_per_image
     return ComputeRate(flops / (peak * profile.compute_efficiency),
-                       f"peak {peak / 1e12:g} TFLOPS x efficiency {profile.compute_efficiency:g} (not measured)")
+                       f"peak {peak / 1e12:.4g} TFLOPS x efficiency {profile.compute_efficiency:g} (not measured)")
 
 
 def compute_from_measured(cfg: Config, images_per_sec: float, profile: HardwareProfile, source: str, *,
