@@ -237,3 +237,18 @@ def test_collective_microbenchmark_on_two_ray_workers(tmp_path, monkeypatch):
     for c in links["collectives"].values():
         assert c["busbw"] > 0 and c["latency_s"] >= 0 and len(c["points"]) == 4
     assert links["shared_host_slowdown"] > 0 and links["memory_bw"] > 0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp", "mixed", "pure"])
+def test_activation_model_against_what_autograd_saves(mode):
+    import torch
+
+    from rayvit.projection.memcheck import saved_bytes_per_image
+
+    batch = 4
+    cfg = load_config(DEFAULT, [f"precision.mode={mode}", "model.hidden_dim=128", "model.mlp_dim=512"])
+    saved = saved_bytes_per_image(cfg, torch.device("cpu"), batch=batch)
+    # This branch keeps LayerNorm in the model dtype under `mixed`; autocast's weight copies are per step.
+    modelled = sum(memory.activation_bytes_per_image(cfg, layer_norm_fp32=False).values()) \
+        + memory.fixed_activation_bytes(cfg) / batch
+    assert modelled == pytest.approx(saved, rel=0.10)
