@@ -102,11 +102,14 @@ def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] =
     measured = outcome.result.metrics["images_per_sec_per_chip"]
     ratio = measured / proj.images_per_sec_per_chip
     if ratio < 1 - SHORTFALL and not proj.notes:
+        where = ("Look for a slow or misconfigured network (NCCL falling back to TCP sockets, EFA/InfiniBand not "
+                 "in use), throttled or shared chips, or a data-loading stall." if proj.chips > 1 else
+                 "One chip has no communication: the strategy's own per-step overhead (its wrapper, not modelled; "
+                 "the compute rate came from another strategy's point), a slow chip or a data-loading stall.")
         out(f"WARNING: {outcome.point.key} measured {measured:.4g} img/s/chip, {1 - ratio:.0%} short of its "
             f"projection {proj.images_per_sec_per_chip:.4g} (projected step {proj.step_s * 1e3:.1f} ms: compute "
             f"{proj.compute_s * 1e3:.1f}, exposed communication {proj.exposed_comm_s * 1e3:.1f}, optimizer "
-            f"{proj.optimizer_s * 1e3:.1f}). Look for a slow or misconfigured network (NCCL falling back to "
-            f"TCP sockets, EFA/InfiniBand not in use), throttled or shared chips, or a data-loading stall.")
+            f"{proj.optimizer_s * 1e3:.1f}). {where}")
     return proj
 
 
