@@ -12,6 +12,8 @@ Checks, each PASS or FAIL with its reason:
   flash        torch.backends.cuda.flash_sdp_enabled(); SDPA in bf16 runs with only the flash backend
                allowed, for raw tensors and for the ViT's attention in both layouts; and whether SDPA's
                own choice was a flash kernel (profiler)
+  memory       per precision level: torch.cuda.max_memory_allocated's growth per image of batch against
+               rayvit.projection's activation model (within -25%/+33%), and the peak against its total
   compile      (--compile) a torch.compile'd training run, same criteria
   nvml         a training run's NVML sampler reports utilisation and power over its timed window, and
                peak allocated <= reserved memory, per rank and as the run's figures
@@ -223,6 +225,21 @@ def check_nvml_sampler(device) -> str:
             f"{m['peak_memory_reserved_bytes_per_rank'] / 2**20:.0f} MiB reserved")
 
 
+def check_activation_memory(device, mode: str) -> str:
+    """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch."""
+    from rayvit.projection.memcheck import allocator_check
+
+    cfg = small_config({"precision.mode": mode, "precision.dtype": "bf16"}, steps=3)
+    r = allocator_check(cfg, device)
+    text = (f"per image measured {r['measured_per_image'] / 2**20:.2f} MiB, modelled "
+            f"{r['modelled_per_image'] / 2**20:.2f} MiB (x{r['ratio_per_image']:.2f}); peak at batch "
+            f"{r['batches'][0]} measured {r['measured_peak'] / 2**20:.0f} MiB, modelled "
+            f"{r['modelled_peak'] / 2**20:.0f} MiB (x{r['ratio_peak']:.2f})")
+    if not 0.75 <= r["ratio_per_image"] <= 1.33:
+        raise RuntimeError("activation model off by more than 25-33%: " + text)
+    return text
+
+
 def run_checks(device, *, compile_: bool, out: Callable[[str], None]) -> list[dict[str, Any]]:
     """Every functional check, in order; a failure is recorded and the next check runs."""
     checks: list[tuple[str, Callable[[], str]]] = [("nccl all-reduce (1 rank)", partial(check_nccl, device))]
@@ -241,6 +258,8 @@ def run_checks(device, *, compile_: bool, out: Callable[[str], None]) -> list[di
                                                               "precision.mode": mode, "precision.dtype": dtype})))
     checks.append(("flash attention (SDPA)", partial(check_flash, device)))
     checks.append(("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)))
+    for mode in ("fp32", "amp", "mixed", "pure"):
+        checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
     if compile_:
         checks.append(("torch.compile (ddp, amp-bf16)", partial(
             check_training, device, {"train.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"})))

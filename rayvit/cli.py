@@ -1,6 +1,7 @@
 """``rayvit``: one command for every entry point.
 
     rayvit sweep   [--config F] [--set k=v ...]     scaling sweeps and the optimization ladder
+    rayvit project [--config F] [--hardware P ...]  projected throughput and memory per chip, nothing runs
     rayvit search  [--config F] [--set k=v ...]     Ray Tune: fastest setting within the accuracy budget
     rayvit bench   [k=v ...] [--compare k=a,b]      single-process A/B timing of the training step
     rayvit to-parquet SRC DST                       image folder -> parquet shards for data.name=parquet
@@ -40,6 +41,7 @@ SWEEP_EXAMPLES = f"""examples:
   %(prog)s --config experiments/configs/ladder_cpu.yaml
   %(prog)s --set sweep.worker_counts=1,2 --set train.steps=10 --name quick
   %(prog)s --name quick                     # rerun: finished points are reused
+  %(prog)s --project --config experiments/configs/study_a100.yaml --hardware a100-40gb h100-sxm
 
 {TRACKING_HELP}. Sweep names are unique per experiment; reusing one resumes that sweep."""
 
@@ -96,7 +98,39 @@ def sweep_parser(prog: str) -> argparse.ArgumentParser:
                                              "config file's name)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planned points and the resources each needs, then exit")
+    _projection_options(parser)
     return parser
+
+
+def _projection_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "projection (no Ray, nothing runs)",
+        "--project prints, per chip count and strategy (ddp, fsdp with and without reshard_after_forward, "
+        "fairscale_oss, fairscale_fsdp, as the config allows): step time, images/s and TFLOPS per chip, MFU, "
+        "ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer), "
+        "memory per rank, whether it fits the chip, and the largest batch that fits; then writes a PNG of "
+        "projected TFLOPS per chip against chips. Compute comes from --measured, else the chip's peak times a "
+        "stated efficiency; links and memory from the hardware profile (rayvit/projection/profiles.py).")
+    group.add_argument("--project", action="store_true", help="project the config's sweep instead of running it")
+    group.add_argument("--hardware", nargs="+", default=None, metavar="PROFILE",
+                       help="hardware profiles: a100-40gb, a100-80gb, h100-sxm, h200, cpu (default: a100-40gb "
+                            "on GPU configs, cpu otherwise)")
+    group.add_argument("--chips", type=int, nargs="+", help="chip counts (default: sweep.worker_counts)")
+    group.add_argument("--measured", metavar="JSON",
+                       help="a single-chip rate: a point's result.json, `rayvit bench --json` output or "
+                            "`rayvit gpu-check`'s JSON (needed for the cpu profile)")
+    group.add_argument("--out-dir", default="results", help="where the PNG goes (default: results/)")
+
+
+def _project(args: argparse.Namespace) -> int:
+    """The projection table and PNG; imports neither Ray nor torch.distributed."""
+    from rayvit.config import load_study
+    from rayvit.projection import cli as projection
+
+    study = load_study(args.config, args.overrides)
+    hardware = args.hardware or (["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"])
+    projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir)
+    return 0
 
 
 def search_parser(prog: str) -> argparse.ArgumentParser:
@@ -142,6 +176,8 @@ def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
         from rayvit.studies.plan import describe_plan, plan
         from rayvit.studies.sweep import print_summary, run_sweep
 
+        if args.project:
+            return _project(args)
         study = load_study(args.config, list(args.overrides) + ([f"sweep.name={args.name}"] if args.name else []))
         points = plan(study)
         if args.dry_run:
@@ -155,6 +191,11 @@ def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
         return report.exit_code
 
     return _guarded(run, "the running point and the sweep are marked KILLED; rerun with the same --name to resume")
+
+
+def project(argv: Sequence[str], prog: str = "rayvit project") -> int:
+    """``rayvit project`` = ``rayvit sweep --project``."""
+    return sweep(["--project", *argv], prog=prog)
 
 
 def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
@@ -190,6 +231,7 @@ def to_parquet(argv: Sequence[str], prog: str = "rayvit to-parquet") -> int:
 
 COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "sweep": (sweep, "scaling sweeps and the optimization ladder, recorded in MLflow"),
+    "project": (project, "project a sweep's per-chip throughput and memory on 8-64 GPUs, without running it"),
     "search": (search, "Ray Tune search for the fastest setting within an accuracy budget"),
     "bench": (bench, "single-process A/B timing of the training step (ratios against the first variant)"),
     "to-parquet": (to_parquet, "convert an image folder into parquet shards for data.name=parquet"),

@@ -43,6 +43,7 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     """
     from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
+    from rayvit.projection import insweep as projection
     from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits, fit
 
@@ -56,13 +57,15 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     run = StudyRun(study, name, experiment, kind=mode)
     # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
     todo = [p for p in points if run.reusable(p) is None]
-    verdicts = []
+    verdicts, links = [], None
     if todo:
         attach_ray(address, name, ray_log, out)
         # Points beyond the autoscaler's maximum (or a fixed cluster's size) are refused here, for the
         # whole plan; points the autoscaler can grow into wait for it just before they run.
         verdicts = check_cluster_fits([p.cfg for p in todo])
         check_storage([p.cfg for p in todo])
+        if mode == "scaling":
+            links = projection.measure(study.run, todo, address, out)
 
     parent = run.start(_sweep_tags(study, points))
     out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "
@@ -86,14 +89,17 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
                 outcome = run.run_point(point, capacity.waiting(fit, out), _point_tags(point, mode), progress)
             outcomes.append(outcome)
             progress.end(outcome)
+            if mode == "scaling":
+                projection.judge(run.tracker, outcomes, links, out)
             _log_curves(run, rows_of(outcomes, mode), mode)
     except KeyboardInterrupt:
         run.interrupted(points[len(outcomes)].key if len(outcomes) < len(points) else "end")
         raise
-    return _finish(run, study, points, outcomes)
+    return _finish(run, study, points, outcomes, links)
 
 
-def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Outcome]) -> Report:
+def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Outcome],
+            links: Optional[dict]) -> Report:
     mode = study.sweep.mode
     rows = rows_of(outcomes, mode)
     report = Report(run.name, mode, run.experiment, run.uri, run.parent_id, outcomes, rows)
@@ -108,6 +114,9 @@ def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Out
             files.append(plots.ladder_figure(ok, Path(tmp) / "ladder.png", title=f"{run.name}: optimization "
                                              f"ladder at {n} chip{'s' if n > 1 else ''}"))
         if mode == "scaling":
+            from rayvit.projection import insweep as projection
+
+            files += projection.artifacts(outcomes, links, Path(tmp), f"{run.name}: measured against projected")
             _log_curve_runs(run, rows)
         report.artifacts = run.finish(files, {"rayvit.points": len(points), "rayvit.failed_points":
                                               len(report.failed)}, failed=bool(report.failed))

@@ -1,0 +1,279 @@
+"""Collective microbenchmark: all-reduce, all-gather, reduce-scatter, broadcast and reduce time against
+message size on the cluster a sweep is given, fitted to ``latency + factor x bytes / busbw``.
+
+Each collective is timed the way a training step issues it: right after a short compute segment, with
+no barrier to line the ranks up, so the fitted latency includes the wait for the slowest rank (on a
+shared CPU host: OS scheduling of co-located workers and Ray's own processes) as well as the transfer.
+Barrier-aligned times (nccl-tests style) are kept beside them in the JSON for reference.
+
+``measure_links`` runs :func:`worker_benchmark` on N Ray Train workers (gloo on CPU, NCCL on GPU) and
+returns a *links* dict (JSON-able) that :func:`rayvit.projection.profiles.with_measured_links` turns into
+a profile. Beside the links it measures two host properties the step model needs: the compute slowdown
+when every worker of a node trains at once against one alone (``shared_host_slowdown``: on a CPU host
+the workers share caches, memory bandwidth and the cores Ray's own processes run on), and the memory
+copy bandwidth that bounds the optimizer step. Ray is imported only inside ``measure_links``.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from typing import Any, Optional
+
+from rayvit.projection.comms import bus_factor
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+CPU_SIZES = (16 * 2 ** 10, 128 * 2 ** 10, 1 * 2 ** 20, 4 * 2 ** 20)
+GPU_SIZES = (2 ** 20, 16 * 2 ** 20, 128 * 2 ** 20)
+
+
+def _run(kind: str, buf, shard, dist) -> None:
+    if kind == "all_reduce":
+        dist.all_reduce(buf)
+    elif kind == "all_gather":
+        dist.all_gather_into_tensor(buf, shard)
+    elif kind == "reduce_scatter":
+        dist.reduce_scatter_tensor(shard, buf)
+    elif kind == "broadcast":
+        dist.broadcast(buf, src=0)
+    else:
+        dist.reduce(buf, dst=0)
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, ranks aligned by a barrier before each."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _busy(seconds: float, device) -> None:
+    """Matmuls for about ``seconds``: the compute a rank does between two collectives of a step."""
+    import torch
+
+    a = torch.randn(128, 128, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _in_step(op, device, repeats: int, segment_s: float) -> float:
+    """Mean cost of ``op`` issued right after a compute segment, as inside a training step.
+
+    The mean, not the median: step times add up, and the wait for a descheduled peer is a rare but
+    long tail (a scheduler time slice) that the median would drop.
+
+    No barrier aligns the ranks: the collective waits for the slowest rank's segment, as it does in
+    training (OS scheduling, shared cores and co-located processes all show up here), which a
+    barrier-aligned timing hides. Cost = (segment + op) - segment, both timed on this rank.
+    """
+    import torch.distributed as dist
+
+    costs = []
+    dist.barrier()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _busy(segment_s, device)
+        mid = time.perf_counter()
+        op()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        costs.append(time.perf_counter() - mid)
+    return statistics.fmean(costs)
+
+
+def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_s: float = 2e-3
+                     ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
+    """``({kind: [[bytes, seconds], ...]} in a step, the same barrier-aligned)``; sizes as nccl-tests
+    counts them (whole array), fp32. The in-step times are what the projection uses."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    in_step: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+    aligned: dict[str, list[list[float]]] = {k: [] for k in KINDS}
+    for size in sizes:
+        numel = max(n, size // 4 // n * n)
+        buf = torch.ones(numel, device=device)
+        shard = torch.ones(numel // n, device=device)
+        for kind in KINDS:
+            op = lambda: _run(kind, buf, shard, dist)  # noqa: E731
+            for _ in range(warmup):
+                op()
+            aligned[kind].append([float(numel * 4), _timed(op, device, repeats)])
+            in_step[kind].append([float(numel * 4), _in_step(op, device, 2 * repeats, segment_s)])
+    return in_step, aligned
+
+
+def fit_link(points: list[list[float]], kind: str, n: int) -> dict[str, float]:
+    """``t = latency + factor(kind, n) x bytes / busbw`` by least squares on relative error (each size
+    counts alike, so the small, latency-bound messages are fitted as well as the large ones)."""
+    xs = [bus_factor(kind, n) * b for b, _ in points]
+    ts = [t for _, t in points]
+    w = [1.0 / t ** 2 for t in ts]
+    sw, sx, st = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * t for wi, t in zip(w, ts))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxt - sx * st) / det if det else 0.0
+    latency = (st - slope * sx) / sw
+    if slope <= 0 or latency < 0:
+        # Noise swamped the fit: latency from the smallest message, bandwidth from the largest.
+        latency = min(ts)
+        slope = max(ts[-1] - latency, 1e-12) / max(xs[-1], 1.0)
+    return {"latency_s": latency, "busbw": 1.0 / slope}
+
+
+def _train_probe(model_cfg: Optional[dict], device, batch: int):
+    """One forward + backward of the sweep's model (a matmul when no model is given)."""
+    import torch
+
+    if model_cfg is None:
+        a = torch.randn(512, 512, device=device)
+        return lambda: (a @ a).sum().item()
+    from rayvit.config import from_dict
+    from rayvit.models import build_model
+
+    cfg = from_dict(model_cfg)
+    model = build_model(cfg.model).to(device)
+    images = torch.randn(batch, 3, cfg.model.image_size, cfg.model.image_size, device=device)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(images).float().sum().backward()
+    return step
+
+
+def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: int = 3,
+                         steps: int = 4) -> float:
+    """Median over rounds of (rank 0's step time while every rank computes) / (while the others sleep).
+
+    Sleeping ranks use no CPU, so 'alone' really is alone; alternating rounds cancel drift.
+    """
+    import torch
+    import torch.distributed as dist
+
+    step = _train_probe(model_cfg, device, batch)
+    for _ in range(2):
+        step()
+    rank = dist.get_rank()
+    one = torch.tensor([_timed_plain(step, device) if rank == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(one, src=0)
+    ratios = []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            alone = statistics.median(_timed_plain(step, device) for _ in range(steps))
+        else:
+            time.sleep(steps * one.item() * 1.5)
+        dist.barrier()
+        together = statistics.median(_timed_plain(step, device) for _ in range(steps))
+        if rank == 0:
+            ratios.append(together / alone)
+    mine = torch.tensor([statistics.median(ratios) if rank == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(mine, src=0)
+    return mine.item()
+
+
+def _timed_plain(fn, device) -> float:
+    import torch
+
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def copy_bandwidth(device, megabytes: int) -> float:
+    """Bytes/s of a large device-memory copy (read + write), the optimizer step's bound."""
+    import torch
+
+    src = torch.ones(megabytes * 2 ** 18, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = min(_timed(lambda: dst.copy_(src), device, 1) for _ in range(5))
+    return 2 * src.numel() * 4 / seconds
+
+
+def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
+    """The per-worker function (Ray Train, or any initialised process group). Rank 0 returns the links."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if config.get("use_gpu"):
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    torch.set_num_threads(int(config.get("threads", 1)))
+    n = dist.get_world_size()
+    hosts = [None] * n
+    dist.all_gather_object(hosts, socket.gethostname())
+    start = time.perf_counter()
+    sizes = config.get("sizes") or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
+    points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)))
+    slowdown = shared_host_slowdown(device, config.get("model"), int(config.get("batch", 8)))
+    bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
+    links = {"backend": dist.get_backend(), "world_size": n, "nodes": len(set(hosts)),
+             "device": device.type, "shared_host_slowdown": slowdown, "memory_bw": bandwidth,
+             "collectives": {k: {**fit_link(p, k, n), "points": p, "aligned_points": aligned[k]}
+                             for k, p in points.items()},
+             "seconds": time.perf_counter() - start}
+    return links if dist.get_rank() == 0 else {}
+
+
+def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: int = 1,
+                  model: Optional[dict] = None, batch: int = 8, address: Optional[str] = None,
+                  placement_strategy: str = "PACK", **options) -> dict[str, Any]:
+    """Run the microbenchmark on ``num_workers`` Ray Train workers; returns the links dict (rank 0's)."""
+    import uuid
+
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from rayvit.launch.connect import ensure_ray
+    from rayvit.launch.storage import default_storage_path
+
+    ensure_ray(address)
+    start = time.perf_counter()
+    trainer = TorchTrainer(
+        worker_benchmark,
+        train_loop_config={"use_gpu": use_gpu, "threads": cpus_per_worker, "model": model, "batch": batch,
+                           **options},
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": float(cpus_per_worker),
+                                                           **({"GPU": 1.0} if use_gpu else {})},
+                                     placement_strategy=placement_strategy),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=RunConfig(name=f"rayvit-links-{uuid.uuid4().hex[:8]}", storage_path=default_storage_path(),
+                             failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
+    links = trainer.fit().return_value
+    links["wall_seconds"] = time.perf_counter() - start
+    return links
+
+
+def describe(links: dict[str, Any]) -> str:
+    """One line per collective: latency and bus bandwidth, as measured."""
+    lines = [f"collectives over {links['world_size']} {links['backend']} ranks on {links['nodes']} node(s) "
+             f"(shared-host slowdown {links.get('shared_host_slowdown', 1):.2f}, memory copy "
+             f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s):"]
+    for kind, c in links["collectives"].items():
+        lines.append(f"  {kind:<15} latency {c['latency_s'] * 1e6:8.0f} us  busbw {c['busbw'] / 1e9:7.2f} GB/s")
+    return "\n".join(lines)

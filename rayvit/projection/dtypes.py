@@ -1,0 +1,82 @@
+"""Bytes per element of each thing a precision level stores or sends, per strategy.
+
+Mirrors ``rayvit.worker.precision`` (and the strategy changes planned beside it, as parameters):
+
+| level  | weights stored (replicated strategies) | sharded strategies (FSDP2, FairScale FSDP) | masters | compute |
+| ------ | --------------------------------------- | ------------------------------------------- | ------- | ------- |
+| fp32   | fp32                                    | fp32                                        | no      | fp32    |
+| amp    | fp32                                    | fp32                                        | no      | half    |
+| mixed  | half (LayerNorm fp32 if layer_norm_fp32)| fp32 shards, half when gathered             | fp32 copy of the half weights (ddp) | half |
+| pure   | half                                    | half                                        | no      | half    |
+
+Gradients are stored in the dtype of the tensor that holds them; they are *reduced* in
+``parallel.reduce_dtype`` under the half levels (fp32 level: fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayvit.config import Config
+
+SHARDED = ("fsdp", "fairscale_fsdp")
+HALF, FULL = 2, 4
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    mode: str
+    strategy: str
+    layer_norm_fp32: bool
+    reduce_half: bool
+
+    @classmethod
+    def of(cls, cfg: Config, layer_norm_fp32: bool | None = None) -> "Dtypes":
+        ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
+        return cls(cfg.precision.mode, cfg.parallel.strategy, bool(ln) and cfg.precision.mode == "mixed",
+                   cfg.parallel.reduce_dtype == "half")
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in SHARDED
+
+    def stored(self, norm: bool) -> int:
+        """Bytes per element of a parameter as this rank stores it (and of its gradient)."""
+        if self.mode in ("fp32", "amp"):
+            return FULL
+        if self.mode == "pure":
+            return HALF
+        # mixed: sharded strategies keep fp32 shards (they are the master copy).
+        return FULL if self.sharded or (norm and self.layer_norm_fp32) else HALF
+
+    def has_master(self, norm: bool) -> bool:
+        """A separate fp32 master (and its gradient) exists only for half weights of replicated strategies."""
+        return self.mode == "mixed" and not self.sharded and self.stored(norm) == HALF
+
+    def optimizer_state(self, norm: bool) -> int:
+        """Bytes per element of optimizer state: the dtype of the tensor the optimizer steps."""
+        return FULL if self.has_master(norm) else self.stored(norm)
+
+    def gathered(self, norm: bool) -> int:
+        """Bytes per element a sharded strategy all-gathers (the compute copy of the weights)."""
+        if self.mode in ("fp32", "amp"):
+            return FULL
+        return FULL if norm and self.layer_norm_fp32 else HALF
+
+    def reduced(self) -> int:
+        """Bytes per element gradients are reduced in."""
+        if self.mode == "fp32":
+            return FULL
+        return HALF if self.reduce_half else FULL
+
+    @property
+    def compute(self) -> int:
+        return FULL if self.mode == "fp32" else HALF
+
+    @property
+    def residual(self) -> int:
+        """The residual stream between blocks: fp32 unless the weights themselves are half."""
+        return HALF if self.mode in ("mixed", "pure") else FULL
+
+    def peak_key(self, half_name: str) -> str:
+        return "fp32" if self.mode == "fp32" else half_name

@@ -1,0 +1,148 @@
+"""The projection inside a real sweep: measure the links once, project every point, judge, record.
+
+``rayvit.studies.sweep.run_sweep`` calls three functions for scaling sweeps, each a line there:
+
+- :func:`measure` before the points run: the collective microbenchmark on the cluster the sweep got,
+  at its largest worker count (``rayvit.projection.collectives``); None (with a printed reason) when it
+  cannot run, and the sweep goes on.
+- :func:`judge` after each point: the point's projection from the sweep's own single-chip (or smallest
+  count) DDP measurement plus the measured links, logged on the point's child run as ``projected_*``
+  metrics, and a warning when the measured per-chip rate falls more than 25% short of it.
+- :func:`artifacts` at the end: ``links.json`` and ``projection.png`` (measured points over projected
+  lines) for the parent run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from rayvit.projection import performance
+from rayvit.projection.profiles import HardwareProfile, cpu_profile, profile_for_accelerator, with_measured_links
+
+SHORTFALL = 0.25      # warn when measured < (1 - SHORTFALL) x projected
+
+
+def measure(cfg, points, address: Optional[str], out: Callable[[str], None] = print) -> Optional[dict]:
+    """Links measured on the largest worker count the sweep still has to run (needs at least 2)."""
+    counts = [p.world_size for p in points if p.world_size > 1]
+    if not counts:
+        return None
+    from rayvit.projection.collectives import describe, measure_links
+
+    p = cfg.parallel
+    try:
+        links = measure_links(max(counts), use_gpu=p.use_gpu, cpus_per_worker=p.cpus_per_worker,
+                              model=cfg.to_dict(), batch=cfg.train.batch_size, address=address,
+                              placement_strategy=p.placement_strategy)
+    except Exception:  # noqa: BLE001 - the sweep's measurements matter more than its projection
+        out("projection: the collective microbenchmark failed; projecting with the hardware profile's "
+            "links instead:\n" + traceback.format_exc(limit=2))
+        return None
+    out(describe(links) + f"\n  (microbenchmark took {links.get('wall_seconds', 0):.0f} s with Ray Train start-up)")
+    return links
+
+
+def sweep_profile(cfg, rows: list[dict], links: Optional[dict]) -> HardwareProfile:
+    if cfg.parallel.use_gpu:
+        accelerator = next((r.get("accelerator") for r in rows if r.get("accelerator")), None)
+        profile = profile_for_accelerator(accelerator)
+    else:
+        profile = cpu_profile(chips_per_node=max(2, cfg.parallel.num_workers))
+    return with_measured_links(profile, links) if links else profile
+
+
+def compute_source(outcomes, profile: HardwareProfile) -> Optional[tuple[Any, performance.ComputeRate]]:
+    """The DDP point at the sweep's smallest worker count (else any strategy's), as a single-chip rate."""
+    done = [o for o in outcomes if o.ok and _finite(o.result.metrics.get("images_per_sec_per_chip"))]
+    if not done:
+        return None
+    smallest = min(o.point.world_size for o in done)
+    ref = next((o for o in done if o.point.world_size == smallest and o.point.cfg.parallel.strategy == "ddp"),
+               next(o for o in done if o.point.world_size == smallest))
+    rate = ref.result.metrics["images_per_sec_per_chip"]
+    return ref, performance.compute_from_measured(ref.point.cfg, rate, profile, ref.point.key,
+                                                  chips=ref.point.world_size)
+
+
+def project_outcome(outcome, outcomes, links: Optional[dict]) -> Optional[performance.Projection]:
+    rows = [o.result.row() for o in outcomes if o.ok]
+    profile = sweep_profile(outcome.point.cfg, rows, links)
+    source = compute_source(outcomes, profile)
+    if source is None:
+        return None
+    ref, rate = source
+    peak = (outcome.result.metrics.get("peak_tflops") or 0) * 1e12 if outcome.ok else None
+    proj = performance.project(outcome.point.cfg, outcome.point.world_size, profile, rate, peak=peak or None)
+    if ref is outcome:
+        proj.notes.append("calibration point (the compute rate comes from it)")
+    return proj
+
+
+def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] = print
+          ) -> Optional[performance.Projection]:
+    """Project the newest point, log ``projected_*`` on its child run, warn on a >25% shortfall."""
+    outcome = outcomes[-1]
+    if not outcome.ok or outcome.status != "done":
+        return None
+    try:
+        proj = project_outcome(outcome, outcomes, links)
+    except Exception:  # noqa: BLE001
+        out("projection failed for " + outcome.point.key + ":\n" + traceback.format_exc(limit=2))
+        return None
+    if proj is None:
+        return None
+    if outcome.run_id:
+        tracker.log_metrics(outcome.run_id, proj.metrics(), step=outcome.point.world_size)
+    measured = outcome.result.metrics["images_per_sec_per_chip"]
+    ratio = measured / proj.images_per_sec_per_chip
+    if ratio < 1 - SHORTFALL and not proj.notes:
+        where = ("Look for a slow or misconfigured network (NCCL falling back to TCP sockets, EFA/InfiniBand not "
+                 "in use), throttled or shared chips, or a data-loading stall." if proj.chips > 1 else
+                 "One chip has no communication: the strategy's own per-step overhead (its wrapper, not modelled; "
+                 "the compute rate came from another strategy's point), a slow chip or a data-loading stall.")
+        out(f"WARNING: {outcome.point.key} measured {measured:.4g} img/s/chip, {1 - ratio:.0%} short of its "
+            f"projection {proj.images_per_sec_per_chip:.4g} (projected step {proj.step_s * 1e3:.1f} ms: compute "
+            f"{proj.compute_s * 1e3:.1f}, exposed communication {proj.exposed_comm_s * 1e3:.1f}, optimizer "
+            f"{proj.optimizer_s * 1e3:.1f}). {where}")
+    return proj
+
+
+def artifacts(outcomes, links: Optional[dict], folder: Path, title: str) -> list[Path]:
+    """``links.json`` and ``projection.png`` for the parent run (nothing for empty sweeps)."""
+    files = []
+    if links:
+        path = Path(folder) / "links.json"
+        path.write_text(json.dumps(links, indent=2))
+        files.append(path)
+    done = [o for o in outcomes if o.ok]
+    if not done:
+        return files
+    from rayvit.projection import report
+
+    profile = sweep_profile(done[0].point.cfg, [o.result.row() for o in done], links)
+    source = compute_source(done, profile)
+    if source is None:
+        return files
+    counts = sorted({o.point.world_size for o in outcomes})
+    variants = list({o.point.cfg.parallel.strategy: o.point.cfg for o in outcomes}.values())
+    peak = (done[0].result.metrics.get("peak_tflops") or 0) * 1e12 or None
+    projected = performance.project_grid(variants[0], _dense(counts), variants, profile, source[1], peak=peak)
+    measured = [o.result.row() for o in done]
+    files.append(report.measured_vs_projected_figure(measured, projected, Path(folder) / "projection.png",
+                                                     title=title))
+    return files
+
+
+def _dense(counts: list[int]) -> list[int]:
+    """The sweep's counts plus powers of two between them, so projected lines show their shape."""
+    lo, hi = min(counts), max(counts)
+    extra = [2 ** k for k in range(int(math.log2(max(lo, 1))), int(math.log2(hi)) + 1) if lo <= 2 ** k <= hi]
+    return sorted(set(counts) | set(extra))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0

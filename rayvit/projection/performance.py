@@ -1,0 +1,239 @@
+"""Step time per chip, and the throughput figures that follow from it, for any strategy and chip count.
+
+    step = slowdown(N) x (forward + backward) + exposed communication + optimizer step
+
+- forward + backward (``compute``): a measured single-chip rate for this model, batch and precision
+  (:class:`ComputeRate`, from a 1-chip point, a ``rayvit.bench`` JSON or a ``gpu_check`` JSON), less the
+  modelled optimizer step inside that measurement; otherwise ``train FLOPs / (peak x compute_efficiency)``.
+  Split 1:2 between forward and backward (backward does twice the matmul work). ``slowdown`` is the
+  profile's measured cost of every chip of a node computing at once (1.0 on GPUs).
+- communication: :mod:`rayvit.projection.comms` messages, each ``latency + factor x bytes / busbw`` over
+  the profile's link for that chip count. A fraction ``overlap`` of forward (backward) compute can hide
+  messages issued during it; the first gather of each phase and the last reduction cannot hide, nor can
+  anything after backward (OSS's broadcasts).
+- optimizer: bytes the update reads and writes on this rank's elements (Adam: 6 x state + gradient bytes
+  per element; SGD: 4 x state + gradient; plus 12 per element of master-copy traffic under ``mixed``,
+  3 x gradient for fp16 loss-scale checks) over memory bandwidth, plus a per-tensor launch cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rayvit.models import vit_complexity
+from rayvit.config import Config, ConfigError
+from rayvit.projection import comms, memory
+from rayvit.projection.dtypes import FULL, Dtypes
+from rayvit.projection.profiles import HardwareProfile
+from rayvit.projection.shapes import fsdp_units, vit_tensors
+
+FORWARD_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """Forward + backward seconds per image on one chip, and where that figure came from."""
+
+    seconds_per_image: float
+    source: str
+
+
+@dataclass
+class Projection:
+    chips: int
+    strategy: str
+    batch: int
+    compute_s: float
+    comm_s: float            # all messages back to back
+    exposed_comm_s: float    # what the step waits for
+    optimizer_s: float
+    step_s: float
+    images_per_sec_per_chip: float
+    tflops_per_chip: float
+    mfu: Optional[float]
+    memory: memory.MemoryBreakdown
+    messages: int
+    bytes_per_rank: float
+    compute_source: str
+    reshard_after_forward: bool = True
+    vs_ddp: Optional[float] = None
+    scaling_efficiency: Optional[float] = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def dominant(self) -> str:
+        terms = {"compute": self.compute_s, "communication": self.exposed_comm_s, "optimizer": self.optimizer_s}
+        return max(terms, key=terms.get)
+
+    @property
+    def label(self) -> str:
+        if self.strategy in ("fsdp", "fairscale_fsdp") and not self.reshard_after_forward:
+            return f"{self.strategy} (no reshard)"
+        return self.strategy
+
+    def metrics(self) -> dict[str, float]:
+        """``projected_*`` figures as logged beside a measured point."""
+        out = {"projected_step_time_s": self.step_s, "projected_images_per_sec_per_chip": self.images_per_sec_per_chip,
+               "projected_tflops_per_chip": self.tflops_per_chip, "projected_compute_s": self.compute_s,
+               "projected_exposed_comm_s": self.exposed_comm_s, "projected_optimizer_s": self.optimizer_s,
+               "projected_memory_bytes_per_rank": self.memory.total,
+               "projected_model_state_bytes_per_rank": float(self.memory.state.total)}
+        if self.mfu is not None:
+            out["projected_mfu"] = self.mfu
+        return out
+
+
+def message_time(m: comms.Message, n: int, profile: HardwareProfile) -> float:
+    """``latency + factor x bytes / busbw``; a collective over one rank has no peer and costs nothing."""
+    if n <= 1:
+        return 0.0
+    link = profile.link(m.kind, n)
+    return link.latency_s + comms.bus_factor(m.kind, n) * m.bytes / link.busbw
+
+
+def exposed_communication(messages: list[comms.Message], n: int, profile: HardwareProfile,
+                          forward_s: float, backward_s: float) -> tuple[float, float]:
+    """(all messages back to back, the part the step waits for) in seconds."""
+    total = exposed = 0.0
+    for phase, hide in (("forward", forward_s), ("backward", backward_s), ("after", 0.0)):
+        times = [message_time(m, n, profile) for m in messages if m.phase == phase]
+        kinds = [m.kind for m in messages if m.phase == phase]
+        total += sum(times)
+        if not times:
+            continue
+        if phase == "after":
+            exposed += sum(times)
+            continue
+        fixed = times[-1] if phase == "backward" else 0.0          # the last reduction waits for all
+        if kinds[0] == "all_gather":                               # the first gather has nothing to hide in
+            fixed += times[0]
+        hideable = sum(times) - fixed
+        exposed += fixed + max(0.0, hideable - profile.overlap * hide)
+    return total, exposed
+
+
+def optimizer_elements(cfg: Config, n: int) -> tuple[int, int]:
+    """(elements, tensors) the largest rank's optimizer steps."""
+    tensors, s = vit_tensors(cfg.model), cfg.parallel.strategy
+    if s == "fsdp":
+        return sum(memory.fsdp2_local(t, n, 0) for t in tensors), len(tensors)
+    if s == "fairscale_fsdp":
+        units = fsdp_units(tensors).values()
+        return sum(-(-sum(t.numel for t in u) // n) for u in units), len(units)
+    if s == "fairscale_oss":
+        owner = memory.oss_owner(tensors, n)
+        per_rank = [[t for t in tensors if owner[t.name] == r] for r in range(n)]
+        mine = max(per_rank, key=lambda ts: sum(t.numel for t in ts))
+        return sum(t.numel for t in mine), len(mine)
+    return sum(t.numel for t in tensors), len(tensors)
+
+
+def optimizer_time(cfg: Config, n: int, profile: HardwareProfile, *,
+                   layer_norm_fp32: Optional[bool] = None) -> float:
+    dt = Dtypes.of(cfg, layer_norm_fp32)
+    elements, tensors = optimizer_elements(cfg, n)
+    state, grad = dt.optimizer_state(False), dt.stored(False)
+    per_element = (4 if cfg.optim.name == "sgd" else 6) * state + grad
+    if dt.has_master(False):
+        per_element += 2 * (2 + FULL)           # half grad -> fp32 master grad, fp32 master -> half weight
+    if cfg.precision.mode != "fp32" and cfg.precision.dtype == "fp16":
+        per_element += 3 * grad
+    launch = profile.per_tensor_s.get(cfg.optim.impl, 0.0)
+    return elements * per_element / profile.memory_bw + tensors * launch
+
+
+def peak_flops(cfg: Config, profile: HardwareProfile) -> Optional[float]:
+    """The chip's dense peak for the precision's dtype; on CPUs a matmul rate timed here (as for MFU)."""
+    peak = profile.peak_flops(Dtypes.of(cfg).peak_key(cfg.precision.dtype))
+    if peak is None and profile.accelerator is None:
+        import torch
+
+        from rayvit.worker.hardware import measured_matmul_flops
+
+        dtype = torch.float32 if cfg.precision.mode == "fp32" else torch.bfloat16
+        peak = measured_matmul_flops("cpu", dtype, cfg.parallel.cpus_per_worker)
+    return peak
+
+
+def compute_from_peak(cfg: Config, profile: HardwareProfile) -> ComputeRate:
+    peak = peak_flops(cfg, profile)
+    if peak is None:
+        raise ConfigError(f"hardware profile {profile.name} has no peak in rayvit.worker.hardware.PEAK_TFLOPS: "
+                          "give a measured single-chip rate (--measured)")
+    flops = vit_complexity(cfg.model).train_flops_per_image
+    return ComputeRate(flops / (peak * profile.compute_efficiency),
+                       f"peak {peak / 1e12:.4g} TFLOPS x efficiency {profile.compute_efficiency:g} (not measured)")
+
+
+def compute_from_measured(cfg: Config, images_per_sec: float, profile: HardwareProfile, source: str, *,
+                          chips: int = 1) -> ComputeRate:
+    """Forward + backward per image from a measured rate of ``cfg`` (its strategy) at ``chips`` chips."""
+    batch = cfg.train.batch_size
+    step = batch / images_per_sec
+    overhead = optimizer_time(cfg, chips, profile)
+    msgs = comms.step_messages(cfg, chips)
+    fb = (step - overhead) / (profile.shared_host_slowdown if _shares_host(profile, chips) else 1.0)
+    # The measured step's communication, as this model sees it, is not compute either.
+    _, exposed = exposed_communication(msgs, chips, profile, fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE))
+    fb -= exposed
+    return ComputeRate(max(fb, 0.0) / batch, f"measured: {source}")
+
+
+def _shares_host(profile: HardwareProfile, chips: int) -> bool:
+    return min(chips, profile.chips_per_node) > 1
+
+
+def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional[ComputeRate] = None, *,
+            batch: Optional[int] = None, layer_norm_fp32: Optional[bool] = None,
+            peak: Optional[float] = None) -> Projection:
+    """One point: ``cfg`` (its strategy, precision, model) on ``chips`` chips of ``profile``."""
+    batch = batch or cfg.train.batch_size
+    compute = compute or compute_from_peak(cfg, profile)
+    fb = compute.seconds_per_image * batch
+    if _shares_host(profile, chips):
+        fb *= profile.shared_host_slowdown
+    fwd, bwd = fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE)
+    msgs = comms.step_messages(cfg, chips, layer_norm_fp32=layer_norm_fp32)
+    comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd)
+    opt = optimizer_time(cfg, chips, profile, layer_norm_fp32=layer_norm_fp32)
+    step = fb + exposed + opt
+    ips = batch / step
+    tflops = vit_complexity(cfg.model).train_flops_per_image * ips / 1e12
+    peak = peak or peak_flops(cfg, profile)
+    mem = memory.memory(cfg, chips, profile, batch=batch, layer_norm_fp32=layer_norm_fp32)
+    return Projection(chips, cfg.parallel.strategy, batch, fb, comm_s, exposed, opt, step, ips, tflops,
+                      tflops * 1e12 / peak if peak else None, mem, len(msgs),
+                      comms.bytes_moved_per_rank(msgs, chips), compute.source,
+                      reshard_after_forward=cfg.parallel.reshard_after_forward)
+
+
+def project_grid(cfg: Config, chip_counts: list[int], variants: list[Config], profile: HardwareProfile,
+                 compute: Optional[ComputeRate] = None, **kwargs) -> list[Projection]:
+    """Every variant (strategy settings) at every chip count, with ratios to DDP and scaling efficiency.
+
+    ``vs_ddp`` = per-chip TFLOPS / DDP's at the same count; ``scaling_efficiency`` = per-chip images/s /
+    the same variant's at the smallest count (the sweep's conventions).
+    """
+    out = []
+    for n in sorted(set(chip_counts)):
+        for v in variants:
+            out.append(project(v, n, profile, compute, **kwargs))
+    add_ratios(out)
+    return out
+
+
+def add_ratios(points: list[Projection]) -> None:
+    ddp = {p.chips: p for p in points if p.strategy == "ddp"}
+    smallest = {}
+    for p in sorted(points, key=lambda p: p.chips):
+        smallest.setdefault(p.label, p)
+    for p in points:
+        ref = ddp.get(p.chips)
+        p.vs_ddp = p.tflops_per_chip / ref.tflops_per_chip if ref else None
+        first = smallest[p.label]
+        p.scaling_efficiency = p.images_per_sec_per_chip / first.images_per_sec_per_chip
+
+
+__all__ = ["ComputeRate", "Projection", "project", "project_grid", "compute_from_peak", "compute_from_measured",
+           "optimizer_time", "exposed_communication", "message_time"]

@@ -1,0 +1,170 @@
+"""Hardware profiles: what a chip computes, holds and moves, with where each number comes from.
+
+A profile names its chip by the key of ``rayvit.worker.hardware.PEAK_TFLOPS`` (the one table of dense peaks;
+add chips there, not here). Links are described the way nccl-tests reports them: a *bus bandwidth*
+(``busbw``: the per-rank rate a collective's bottleneck link sustains, independent of the rank count;
+all-reduce time = 2(n-1)/n x bytes / busbw, all-gather and reduce-scatter (n-1)/n x bytes / busbw,
+broadcast and reduce 1 x bytes / busbw, see nccl-tests doc/PERFORMANCE.md) plus a per-message latency.
+A ring across nodes is bound by each node's network bandwidth, so the inter-node busbw is the node's NIC
+total; a collective over more chips than a node holds runs at the slower of NVLink and that.
+
+Every efficiency below is a stated assumption, not fitted to any measurement of rayvit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rayvit.config import ConfigError
+from rayvit.worker.hardware import PEAK_TFLOPS
+
+GB = 1e9
+GIB = 2 ** 30
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of interconnect: achievable bus bandwidth (bytes/s) and per-message latency (s)."""
+
+    busbw: float
+    latency_s: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    accelerator: Optional[str]          # key of rayvit.worker.hardware.PEAK_TFLOPS, None for CPUs
+    memory_gib: float                   # device memory per chip
+    memory_bw: float                    # device memory bandwidth, bytes/s (bounds the optimizer step)
+    chips_per_node: int
+    intra: Link                         # inside a node (NVLink/NVSwitch, or shared memory for CPUs)
+    inter: Link                         # between nodes (EFA / InfiniBand)
+    # Fraction of the dense peak a ViT training step reaches when no single-chip rate was measured.
+    compute_efficiency: float = 0.45
+    # Fraction of forward/backward compute time that can hide communication issued during it
+    # (separate NCCL streams on GPUs; 0 where the collective and the compute share one core).
+    overlap: float = 0.9
+    # Per-tensor cost of an optimizer step beyond its bytes (kernel launches), seconds, per optim.impl.
+    per_tensor_s: dict = field(default_factory=lambda: {"loop": 40e-6, "foreach": 2e-6, "fused": 1e-6})
+    # Memory a process cannot use for tensors: CUDA context, cuBLAS/NCCL workspaces (GiB), and the
+    # caching allocator's fragmentation (fraction of the rest).
+    reserved_gib: float = 1.5
+    fragmentation: float = 0.05
+    # Compute slowdown when all chips of a node run at once (1.0 for GPUs: each has its own silicon).
+    shared_host_slowdown: float = 1.0
+    # Per-collective overrides, e.g. measured on the spot: {"all_gather": Link(...)}; used for the
+    # node count they were measured at (see :func:`with_measured_links`).
+    measured: dict = field(default_factory=dict)
+    measured_nodes: int = 0
+    source: str = ""
+
+    def peak_flops(self, dtype_key: str) -> Optional[float]:
+        """Dense peak FLOP/s for 'fp32' / 'tf32' / 'fp16' / 'bf16', from ``PEAK_TFLOPS`` (None for CPUs)."""
+        if self.accelerator is None or self.accelerator not in PEAK_TFLOPS:
+            return None
+        return PEAK_TFLOPS[self.accelerator][dtype_key] * 1e12
+
+    def nodes(self, chips: int) -> int:
+        return -(-chips // self.chips_per_node)
+
+    def link(self, collective: str, chips: int) -> Link:
+        """The link a collective over ``chips`` chips runs at: measured if measured for that span, else the
+        slower of NVLink and (past one node) the inter-node fabric."""
+        nodes = self.nodes(chips)
+        spans = "inter" if nodes > 1 else "intra"
+        measured_spans = "inter" if self.measured_nodes > 1 else "intra"
+        if collective in self.measured and spans == measured_spans:
+            return self.measured[collective]
+        if nodes == 1:
+            return self.intra
+        slow = self.inter if self.inter.busbw < self.intra.busbw else self.intra
+        return Link(slow.busbw, max(self.intra.latency_s, self.inter.latency_s), slow.source)
+
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.reserved_gib) * GIB * (1 - self.fragmentation)
+
+    def replace(self, **changes) -> "HardwareProfile":
+        return dataclasses.replace(self, **changes)
+
+
+def with_measured_links(profile: HardwareProfile, links: dict) -> HardwareProfile:
+    """``profile`` with the collectives measured by ``rayvit.projection.collectives`` (a links dict)."""
+    measured = {k: Link(v["busbw"], v["latency_s"], f"measured ({links.get('backend')}, "
+                                                     f"{links.get('world_size')} ranks)")
+                for k, v in links.get("collectives", {}).items() if v.get("busbw")}
+    changes = dict(measured=measured, measured_nodes=int(links.get("nodes", 1)))
+    if links.get("shared_host_slowdown"):
+        changes["shared_host_slowdown"] = float(links["shared_host_slowdown"])
+    if links.get("memory_bw"):
+        changes["memory_bw"] = float(links["memory_bw"])
+    return profile.replace(**changes)
+
+
+# NVLink: A100 NVLink 3 through NVSwitch, 12 links x 25 GB/s x 2 directions = 600 GB/s per GPU, i.e.
+# 300 GB/s each way ("NVIDIA A100 Tensor Core GPU Architecture" whitepaper); H100/H200 NVLink 4,
+# 18 links = 900 GB/s, 450 GB/s each way (H100 / H200 data sheets). nccl-tests all-reduce on 8
+# NVSwitch GPUs reaches roughly 75-80% of the per-direction figure; 0.75 is assumed.
+_NVLINK_EFF = 0.75
+# Network: p4d.24xlarge / p4de.24xlarge have 4 x 100 Gb/s EFA = 400 Gb/s = 50 GB/s per node (AWS EC2
+# P4 instance page); DGX H100 / H200 have 8 x 400 Gb/s ConnectX-7 InfiniBand = 400 GB/s per node
+# (DGX H100/H200 user guides). 0.8 of line rate is assumed achievable by NCCL rings.
+_NET_EFF = 0.8
+# Latencies: a few microseconds per NVLink hop and ~10 us per network hop; NCCL's small-message
+# all-reduce on one 8-GPU node is ~15-25 us, across nodes ~30-60 us. Stated, not measured here.
+_NVLINK_A100 = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink 3: 300 GB/s each way x 0.75")
+_NVLINK_H = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink 4: 450 GB/s each way x 0.75")
+_EFA_P4 = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s EFA per node x 0.8")
+_IB_8X400 = Link(400 * GB * _NET_EFF, 40e-6, "8 x 400 Gb/s InfiniBand per node x 0.8")
+
+PROFILES: dict[str, HardwareProfile] = {
+    # A100 40 GB SXM4: HBM2 1,555 GB/s (A100 data sheet); AWS p4d.24xlarge: 8 GPUs, NVSwitch, 400 Gb/s EFA.
+    "a100-40gb": HardwareProfile("a100-40gb", "A100", 40.0, 1555 * GB, 8, _NVLINK_A100, _EFA_P4,
+                                 source="A100 SXM4 40GB on AWS p4d.24xlarge"),
+    # A100 80 GB SXM4: HBM2e 2,039 GB/s (A100 data sheet); AWS p4de.24xlarge: same fabric as p4d.
+    "a100-80gb": HardwareProfile("a100-80gb", "A100", 80.0, 2039 * GB, 8, _NVLINK_A100, _EFA_P4,
+                                 source="A100 SXM4 80GB on AWS p4de.24xlarge"),
+    # H100 SXM5 80 GB: HBM3 3.35 TB/s (H100 data sheet); DGX H100: 8 x 400 Gb/s InfiniBand.
+    "h100-sxm": HardwareProfile("h100-sxm", "H100", 80.0, 3350 * GB, 8, _NVLINK_H, _IB_8X400,
+                                source="H100 SXM5 80GB, DGX H100 fabric"),
+    # H200 SXM 141 GB: HBM3e 4.8 TB/s (H200 data sheet); DGX H200: 8 x 400 Gb/s InfiniBand.
+    "h200": HardwareProfile("h200", "H200", 141.0, 4800 * GB, 8, _NVLINK_H, _IB_8X400,
+                            source="H200 SXM 141GB, DGX H200 fabric"),
+}
+
+
+def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_node: int = 2) -> HardwareProfile:
+    """A host's CPU workers (one 'chip' = one worker): shared-memory gloo links until measured.
+
+    Overlap is 0: a worker with one core runs gloo's transfer and its compute on that same core.
+    The per-tensor optimizer cost is Python/dispatcher overhead on CPU (tens of microseconds).
+    """
+    gloo = Link(0.7 * GB, 1e-3, "gloo on one host (FACTS.md: 0.6-0.9 GB/s, ~1 ms)")
+    # compute_efficiency: share of a 1024^2 matmul's rate a tiny ViT's step reaches on one core (its
+    # matmuls are small and its elementwise work uncounted); 0.3 is assumed, used only when no
+    # single-chip rate was measured.
+    return HardwareProfile("cpu", None, memory_gib, memory_bw, chips_per_node, gloo, gloo,
+                           compute_efficiency=0.3, overlap=0.0,
+                           per_tensor_s={"loop": 60e-6, "foreach": 30e-6, "fused": 30e-6},
+                           reserved_gib=0.0, fragmentation=0.0, source="local CPU workers, gloo")
+
+
+def get_profile(name: str) -> HardwareProfile:
+    if name == "cpu":
+        return cpu_profile()
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ConfigError(f"unknown hardware profile {name!r}; choose one of: "
+                       f"{', '.join([*PROFILES, 'cpu'])}") from None
+
+
+def profile_for_accelerator(accelerator: Optional[str]) -> HardwareProfile:
+    """The profile for a measured run's ``accelerator`` condition ('A100', 'H100', 'cpu', ...)."""
+    by_chip = {"A100": "a100-40gb", "H100": "h100-sxm", "H200": "h200"}
+    if accelerator in by_chip:
+        return PROFILES[by_chip[accelerator]]
+    return cpu_profile()
