@@ -154,7 +154,10 @@ class VisionTransformer(nn.Module):
             pos = self.pos_embed
             if self.class_token is not None:
                 x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
-        x = self.pos_drop(x + pos)
+        # Contiguous tokens: without a class token (whose cat copies) x would stay a strided view of the
+        # stem's output through every block, making each LayerNorm copy and each residual add strided.
+        # ``pos + x`` (pos first) already comes out contiguous batch-first; batch-second still copies once.
+        x = self.pos_drop((pos + x).contiguous())
         for block in self.blocks:
             x = block(x)
         return self.norm(x)
