@@ -23,13 +23,21 @@ class FSDP(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (world_size(),))
         kwargs = dict(mesh=mesh, reshard_after_forward=self.cfg.parallel.reshard_after_forward,
                       mp_policy=self.mixed_precision_policy())
+        # LayerNorm kept in fp32: its parameters form groups of their own with no mixed-precision policy
+        # (an FSDP2 group has one parameter dtype), one group for both norms of a block so that each block
+        # costs one extra all-gather, not two. Bottom-up: norms before the block that holds them.
+        norm_kwargs = dict(kwargs, mp_policy=MixedPrecisionPolicy())
         for block in model.blocks:
+            if self.precision.layer_norm_fp32:
+                fully_shard([block.norm1, block.norm2], **norm_kwargs)
             fully_shard(block, **kwargs)
+        if self.precision.layer_norm_fp32:
+            fully_shard(model.norm, **norm_kwargs)
         fully_shard(model, **kwargs)
         return model
 
