@@ -121,7 +121,7 @@ class Session:
         if finite:
             if self.cfg.optim.grad_clip > 0:
                 self.strategy.clip_grad_norm_(self.model, self.optimizer, self.cfg.optim.grad_clip)
-            self.optimizer.step()
+            self.strategy.optimizer_step(self.model, self.optimizer)
             if masters is not None:
                 masters.masters_to_model()
         else:
