@@ -29,6 +29,7 @@ METRIC_KEYS = (
 CONDITION_KEYS = (
     "model", "image_size", "batch_per_chip", "precision", "strategy", "world_size", "accelerator",
     "torch_version", "ray_version", "fairscale_version", "rayvit_version", "data",
+    "reduce_dtype", "layer_norm_fp32",
 )
 
 

@@ -214,7 +214,11 @@ class Session:
             "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
             "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
-            "peak_source": peak_source, "data": self.cfg.data.name, **metrics.library_versions(),
+            "peak_source": peak_source, "data": self.cfg.data.name,
+            # Like for like: the dtype gradients were reduced in, and whether LayerNorm stayed fp32.
+            "reduce_dtype": hardware.dtype_name(self.strategy.reduce_dtype),
+            "layer_norm_fp32": self.precision.layer_norm_fp32 or self.precision.mode == "fp32",
+            **metrics.library_versions(),
         }
 
     # ---------------------------------------------------------------------------------------------

@@ -42,13 +42,17 @@ class FSDP(Strategy):
         return model
 
     def mixed_precision_policy(self):
-        """``mixed``: half compute parameters gathered from fp32 shards (the master copy); else none."""
+        """``mixed``: half compute parameters gathered from fp32 shards (the master copy), gradients reduced
+        in ``parallel.reduce_dtype``. ``pure``: the parameters are half already; an fp32 reduce dtype
+        makes FSDP2 reduce-scatter in fp32 and cast the result back (_fsdp_collectives.py foreach_reduce).
+        """
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.precision.mode != "mixed":
-            return MixedPrecisionPolicy()
-        reduce = torch.float32 if self.cfg.parallel.reduce_dtype == "fp32" else self.precision.half
-        return MixedPrecisionPolicy(param_dtype=self.precision.half, reduce_dtype=reduce)
+        if self.precision.mode == "mixed":
+            return MixedPrecisionPolicy(param_dtype=self.precision.half, reduce_dtype=self.reduce_dtype)
+        if self.precision.mode == "pure":
+            return MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
+        return MixedPrecisionPolicy()
 
     # Sharded state: every rank writes its own shard with torch.distributed.checkpoint into the same
     # folder (Ray merges the ranks' folders into one checkpoint).
