@@ -129,6 +129,12 @@ class Session:
         # Gradients stay allocated until the next step's clear_grads() so model-state bytes count them.
         self.scheduler.step()
 
+    def align_ranks(self) -> None:
+        """Wait for every rank, outside the timed steps: a report (Ray's, ~2 s, or a checkpoint) releases
+        ranks at different times, and without this the next timed step would absorb the difference."""
+        if self.world_size > 1:
+            dist.barrier()
+
     def clear_grads(self) -> None:
         self.strategy.zero_grad(self.model, self.optimizer)
 
@@ -281,6 +287,7 @@ def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards:
             if report and (session.step % t.report_every == 0 or last
                            or (t.checkpoint_every and session.step % t.checkpoint_every == 0)):
                 report({"step": session.step, "loss": loss, "lr": session.history[-1]["lr"]}, session)
+                session.align_ranks()
         session.evaluate()
         return session.summary(time.perf_counter() - start)
     finally:
