@@ -1,6 +1,8 @@
 """GPU check: everything rayvit does only on CUDA, and the study's optimization ladder, on one GPU.
 
-    python experiments/gpu_check.py                      # ViT-L/16 ladder, about 3-5 minutes
+    python experiments/gpu_check.py                      # ViT-L/16 ladder, within 8 minutes on one H100/H200
+    python experiments/gpu_check.py --quick              # fewer checks, a shorter ladder: within 3 minutes
+    python experiments/gpu_check.py --list               # the checks it would run (no GPU needed)
     python experiments/gpu_check.py --model vit_h16      # the study's ViT-H/16
     python experiments/gpu_check.py --compile            # also torch.compile one training run
 
@@ -8,7 +10,13 @@ Checks, each PASS or FAIL with its reason:
   nccl         a one-rank NCCL process group all-reduces a CUDA tensor
   precision    fp32, and amp / mixed / pure in bf16 and fp16: a small ViT trains (rayvit.worker.train),
                its loss is finite and falls
-  strategies   fsdp (PyTorch FSDP2), fairscale_fsdp and fairscale_oss at world size 1, same criteria
+  strategies   fsdp (PyTorch FSDP2), fairscale_fsdp (fp32, amp, mixed and pure fp16, with FairScale's own
+               gradient clipping) and fairscale_oss at world size 1, same criteria
+  layernorm    under mixed, for ddp, fsdp and fairscale_fsdp: LayerNorm weights and outputs fp32 while the
+               matmuls run in half (forward hooks), and the norms' gradients fp32
+  reduce       the dtype gradients are reduced in (parallel.reduce_dtype): DDP's hook seen on the wire,
+               FSDP2's reduce buffer, FairScale's fp32_reduce_scatter (one rank: FairScale sends nothing)
+  decay        fairscale_fsdp weight decay over flat parameters: matrices decay, the rest does not
   flash        torch.backends.cuda.flash_sdp_enabled(); SDPA in bf16 runs with only the flash backend
                allowed, for raw tensors and for the ViT's attention in both layouts; and whether SDPA's
                own choice was a flash kernel (profiler)
@@ -64,8 +72,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--baseline-precision", choices=["amp", "fp32"], default="amp",
                         help="the baseline rung's precision (default amp)")
     parser.add_argument("--no-ladder", action="store_true", help="run the checks only")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer precision checks, shorter runs and ladder (--steps 10 --warmup 3): within 3 minutes")
+    parser.add_argument("--list", action="store_true", help="print the checks and ladder it would run, then exit")
     parser.add_argument("--out", default="results/gpu_check.json", help="JSON file (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.quick:
+        # Explicit --steps/--warmup win; the quick ladder's defaults are shorter.
+        given = argv if argv is not None else sys.argv[1:]
+        if "--steps" not in given:
+            args.steps = 10
+        if "--warmup" not in given:
+            args.warmup = 3
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be >= 0 and below --steps")
     if args.batch_size < 1:
@@ -121,7 +139,7 @@ def small_config(overrides: dict[str, Any], *, steps: int = 30):
 
     base = {"model": dict(SMALL_MODEL), "data": {"name": "synthetic"},
             "parallel": {"use_gpu": True, "num_workers": 1},
-            "train": {"batch_size": 32, "steps": steps, "warmup_steps": 5, "report_every": steps}}
+            "train": {"batch_size": 32, "steps": steps, "warmup_steps": min(5, steps - 1), "report_every": steps}}
     return from_dict(base, overrides)
 
 
@@ -138,9 +156,154 @@ def check_training(device, overrides: dict[str, Any], steps: int = 30) -> str:
         raise RuntimeError(f"non-finite loss: {losses}")
     if not losses[-1] < losses[0]:
         raise RuntimeError(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    m = result.metrics
-    return (f"{result.conditions['precision']}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+    m, c = result.metrics, result.conditions
+    return (f"{c['precision']}, reduce {c['reduce_dtype']}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
             f"{m['images_per_sec_per_chip']:.0f} img/s, peak {m['peak_memory_bytes_per_rank'] / 2**20:.0f} MiB")
+
+
+def _trained_session(device, overrides: dict[str, Any], steps: int, before_steps=None):
+    """A Session of the small ViT after ``steps`` steps, and its losses; ``before_steps(session)`` first."""
+    from rayvit.worker import Session
+
+    session = Session(small_config(overrides, steps=steps), device)
+    try:
+        if before_steps is not None:
+            before_steps(session)
+        losses = []
+        for _ in range(steps):
+            session.clear_grads()
+            losses.append(session.train_step())
+    except BaseException:
+        session.close()
+        raise
+    return session, losses
+
+
+def _names(dtypes) -> str:
+    from rayvit.worker.hardware import dtype_name
+
+    return "/".join(sorted(dtype_name(d) for d in dtypes)) or "none"
+
+
+def check_layer_norm_fp32(device, strategy: str, dtype: str, steps: int = 4) -> str:
+    """``mixed``: LayerNorm weights, outputs and gradients fp32 while the matmuls run in half."""
+    import torch
+    from torch import nn
+
+    from rayvit.worker.strategies import Strategy
+
+    seen: dict[str, set] = {"norm_w": set(), "norm_out": set(), "mm": set()}
+
+    def on_norm(module, inputs, output) -> None:       # a hook returning a value would replace the output
+        seen["norm_w"].add(module.weight.dtype)
+        seen["norm_out"].add(output.dtype)
+
+    def on_linear(module, inputs, output) -> None:
+        seen["mm"].add(output.dtype)
+
+    def spy(session) -> None:
+        for m in Strategy.unwrap(session.model).modules():
+            if isinstance(m, nn.LayerNorm):
+                m.register_forward_hook(on_norm)
+            elif isinstance(m, nn.Linear):
+                m.register_forward_hook(on_linear)
+
+    session, losses = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": "mixed",
+                                                "precision.dtype": dtype}, steps, spy)
+    try:
+        norms = [m for m in Strategy.unwrap(session.model).modules() if isinstance(m, nn.LayerNorm)]
+        grads = {p.grad.dtype for m in norms for p in m.parameters() if p.grad is not None}
+    finally:
+        session.close()
+    facts = (f"LayerNorm weight {_names(seen['norm_w'])}, output {_names(seen['norm_out'])}, grad "
+             f"{_names(grads)}; matmuls {_names(seen['mm'])}")
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    fp32 = {torch.float32}
+    if not (seen["norm_w"] == seen["norm_out"] == grads == fp32 and seen["mm"] == {half}):
+        raise RuntimeError(f"expected LayerNorm fp32 and matmuls {dtype}: {facts}")
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"non-finite loss ({facts}): {losses}")
+    return facts
+
+
+def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str, steps: int = 3) -> str:
+    """The dtype this strategy reduces half gradients in, seen where one rank can see it.
+
+    DDP: the dtypes its communication hook hands to ``all_reduce``. FSDP2: the dtype of the buffer it
+    reduce-scatters from (allocated in the reduce dtype even at one rank). FairScale FSDP sends nothing at
+    one rank: its ``fp32_reduce_scatter`` flags and the gradients' dtype are reported instead.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from rayvit.worker.hardware import dtype_name
+
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    expected = torch.float32 if reduce == "fp32" else half
+    sent: list = []
+    if strategy == "ddp":
+        module, name = dist, "all_reduce"
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as module
+        name = "foreach_reduce_scatter_copy_in"
+    real = getattr(module, name) if strategy != "fairscale_fsdp" else None
+
+    def spy(*args, **kwargs):
+        tensor = args[0] if strategy == "ddp" else args[1]
+        if tensor.numel() > 1:              # not the loss scaler's one-element overflow flag
+            sent.append(tensor.dtype)
+        return real(*args, **kwargs)
+
+    if real is not None:
+        setattr(module, name, spy)
+    try:
+        session, _ = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
+                                               "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
+    finally:
+        if real is not None:
+            setattr(module, name, real)
+    try:
+        recorded = session.conditions("check")["reduce_dtype"]
+        if strategy == "fairscale_fsdp":
+            flags = {w.fp32_reduce_scatter for w in session.model.modules() if getattr(w, "mixed_precision", False)}
+            grads = {p.grad.dtype for p in session.model.parameters() if p.grad is not None}
+            facts = f"1 rank, no reduction; fp32_reduce_scatter {sorted(flags)}, grads {_names(grads)}"
+            ok = flags == {True} and grads == {torch.float32}
+        else:
+            facts = f"reduced in {_names(set(sent))}"
+            # fp32 LayerNorm gradients (mixed) always travel in fp32 beside the half ones.
+            ok = expected in sent and set(sent) <= {expected, torch.float32}
+    finally:
+        session.close()
+    facts += f"; recorded reduce_dtype={recorded}"
+    if not ok or recorded != dtype_name(expected):
+        raise RuntimeError(f"expected {dtype_name(expected)}: {facts}")
+    return facts
+
+
+def check_fairscale_weight_decay(device) -> str:
+    """One AdamW step on zero gradients is pure decay: flat-parameter elements from matrices shrink by
+    ``1 - lr * wd``, those from biases, norms, position embedding and class token do not move."""
+    import torch
+
+    from rayvit.worker import Session
+
+    session = Session(small_config({"parallel.strategy": "fairscale_fsdp", "optim.weight_decay": 0.5,
+                                    "optim.lr": 0.1}), device)
+    try:
+        decay = session.strategy.masked_decay
+        before = [p.detach().clone() for p in decay.params]
+        for p in decay.params:
+            p.grad = torch.zeros_like(p)
+        session.strategy.optimizer_step(session.model, session.optimizer)
+        for p, old, mask in zip(decay.params, before, decay.masks):
+            torch.testing.assert_close(p.detach()[mask], old[mask] * (1 - 0.1 * 0.5))
+            torch.testing.assert_close(p.detach()[~mask], old[~mask], rtol=0, atol=0)
+        decayed = sum(int(m.sum()) for m in decay.masks)
+        total = sum(m.numel() for m in decay.masks)
+    finally:
+        session.close()
+    return f"{len(decay.params)} flat parameters: {decayed:,} of {total:,} elements decay (matrices), the rest do not"
 
 
 def check_flash(device) -> str:
@@ -191,27 +354,50 @@ def check_flash(device) -> str:
     return f"{forced}; SDPA picks {flash[0][:60]} by itself"
 
 
-def run_checks(device, *, compile_: bool, out: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every functional check, in order; a failure is recorded and the next check runs."""
+def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Callable[[], str]]]:
+    """Every functional check, in order, as (name, function); ``--quick`` drops the fp16 twins and
+    shortens the training runs."""
+    steps = 15 if quick else 30
+    train = partial(check_training, device, steps=steps)
     checks: list[tuple[str, Callable[[], str]]] = [("nccl all-reduce (1 rank)", partial(check_nccl, device))]
     levels = [("fp32", "bf16")] + [(mode, dtype) for mode in ("amp", "mixed", "pure") for dtype in ("bf16", "fp16")]
+    if quick:
+        levels = [("fp32", "bf16"), ("amp", "bf16"), ("mixed", "bf16"), ("mixed", "fp16"), ("pure", "bf16")]
     for mode, dtype in levels:
         name = f"precision {mode}" + ("" if mode == "fp32" else f"-{dtype}")
-        checks.append((name, partial(check_training, device, {"precision.mode": mode, "precision.dtype": dtype})))
-    # Each sharded strategy in fp32 and in a half-precision level it supports (OSS cannot hold an fp32
-    # master copy, so it gets amp; FairScale FSDP's mixed precision is the study's fp16).
-    strategies = [("fsdp", "fp32", "bf16"), ("fsdp", "mixed", "bf16"),
-                  ("fairscale_fsdp", "fp32", "fp16"), ("fairscale_fsdp", "mixed", "fp16"),
-                  ("fairscale_oss", "fp32", "bf16"), ("fairscale_oss", "amp", "bf16")]
-    for strategy, mode, dtype in strategies:
-        name = f"strategy {strategy} {mode}" + ("" if mode == "fp32" else f"-{dtype}")
-        checks.append((name, partial(check_training, device, {"parallel.strategy": strategy,
-                                                              "precision.mode": mode, "precision.dtype": dtype})))
+        checks.append((name, partial(train, {"precision.mode": mode, "precision.dtype": dtype})))
+    # Each sharded strategy in fp32 and the half levels it supports (OSS cannot hold an fp32 master copy;
+    # FairScale FSDP: fp32, amp, mixed and pure fp16, the study's library and half type; its clip too).
+    strategies = [("fsdp", "fp32", "bf16", {}), ("fsdp", "mixed", "bf16", {}),
+                  ("fairscale_fsdp", "fp32", "fp16", {}), ("fairscale_fsdp", "amp", "fp16", {}),
+                  ("fairscale_fsdp", "mixed", "fp16", {"optim.grad_clip": 1.0}),
+                  ("fairscale_fsdp", "mixed", "bf16", {}),
+                  ("fairscale_fsdp", "pure", "fp16", {"parallel.reduce_dtype": "half", "optim.grad_clip": 1.0}),
+                  ("fairscale_oss", "fp32", "bf16", {}), ("fairscale_oss", "amp", "bf16", {"optim.grad_clip": 1.0})]
+    for strategy, mode, dtype, extra in strategies:
+        name = f"strategy {strategy} {mode}" + ("" if mode == "fp32" else f"-{dtype}") + (" +clip" if extra.get(
+            "optim.grad_clip") else "")
+        checks.append((name, partial(train, {"parallel.strategy": strategy, "precision.mode": mode,
+                                             "precision.dtype": dtype, **extra})))
+    for strategy, dtype in (("ddp", "bf16"), ("fsdp", "bf16"), ("fairscale_fsdp", "fp16")):
+        checks.append((f"layernorm fp32 {strategy} mixed-{dtype}", partial(check_layer_norm_fp32, device, strategy, dtype)))
+    reduces = [("ddp", "mixed", "bf16", "fp32"), ("ddp", "mixed", "bf16", "half"), ("ddp", "pure", "fp16", "fp32"),
+               ("fsdp", "mixed", "bf16", "fp32"), ("fsdp", "pure", "bf16", "fp32"),
+               ("fairscale_fsdp", "mixed", "fp16", "fp32"), ("fairscale_fsdp", "mixed", "fp16", "half")]
+    for strategy, mode, dtype, reduce in reduces:
+        checks.append((f"reduce {strategy} {mode}-{dtype} ->{reduce}",
+                       partial(check_reduce_dtype, device, strategy, mode, dtype, reduce)))
+    checks.append(("decay fairscale_fsdp flat params", partial(check_fairscale_weight_decay, device)))
     checks.append(("flash attention (SDPA)", partial(check_flash, device)))
     if compile_:
         checks.append(("torch.compile (ddp, amp-bf16)", partial(
-            check_training, device, {"train.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"})))
+            train, {"train.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"})))
+    return checks
 
+
+def run_checks(device, *, compile_: bool, out: Callable[[str], None], quick: bool = False) -> list[dict[str, Any]]:
+    """Every functional check, in order; a failure is recorded and the next check runs."""
+    checks = plan_checks(device, quick=quick, compile_=compile_)
     results = []
     for name, fn in checks:
         start = time.perf_counter()
@@ -222,7 +408,7 @@ def run_checks(device, *, compile_: bool, out: Callable[[str], None]) -> list[di
             detail, ok = _one_line(e), False
             traceback_text = traceback.format_exc()     # in the JSON file; the console gets one line
         seconds = time.perf_counter() - start
-        out(f"  {'PASS' if ok else 'FAIL'}  {name:<34} {seconds:5.1f} s  {detail}")
+        out(f"  {'PASS' if ok else 'FAIL'}  {name:<44} {seconds:5.1f} s  {detail}")
         results.append({"check": name, "ok": ok, "seconds": round(seconds, 2), "detail": detail,
                         "traceback": traceback_text})
         _free_device_memory(device)
@@ -315,8 +501,24 @@ def environment(device) -> dict[str, Any]:
     return env
 
 
+def list_plan(args: argparse.Namespace) -> None:
+    """``--list``: the checks and ladder rungs a run with these arguments would do."""
+    from rayvit.sweep import plan_ladder
+
+    print("checks:")
+    for name, _ in plan_checks(None, quick=args.quick, compile_=args.compile):
+        print(f"  {name}")
+    if not args.no_ladder:
+        print(f"ladder ({args.model}, batch {args.batch_size}, {args.steps} steps, {args.warmup} warm-up):")
+        for point in plan_ladder(ladder_config(args)):
+            print(f"  {point.key}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    if args.list:
+        list_plan(args)
+        return 0
     reason = no_cuda_reason()
     if reason:
         print(f"gpu_check: no GPU to check: {reason}", file=sys.stderr)
@@ -330,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"gpu_check on {env['device_name']} ({env['memory_gib']} GiB, sm {env['capability']}), torch "
           f"{env['torch_version']}, CUDA {env['cuda']}")
     print("checks:")
-    checks = run_checks(device, compile_=args.compile, out=print)
+    checks = run_checks(device, compile_=args.compile, out=print, quick=args.quick)
 
     rows: list[dict[str, Any]] = []
     if not args.no_ladder:
