@@ -4,6 +4,7 @@
     rayvit project [--config F] [--hardware P ...]  projected throughput and memory per chip, nothing runs
     rayvit search  [--config F] [--set k=v ...]     Ray Tune: fastest setting within the accuracy budget
     rayvit bench   [k=v ...] [--compare k=a,b]      single-process A/B timing of the training step
+    rayvit gpu-check [--quick] [--list]             what only a GPU can tell, with the ladder's TFLOPS and MFU
     rayvit to-parquet SRC DST                       image folder -> parquet shards for data.name=parquet
 
 ``experiments/scaling.py`` and ``experiments/search.py`` are the same commands as files, for
@@ -223,6 +224,12 @@ def bench(argv: Sequence[str], prog: str = "rayvit bench") -> int:
     return bench_main(list(argv), prog=prog)
 
 
+def gpu_check(argv: Sequence[str], prog: str = "rayvit gpu-check") -> int:
+    from rayvit.gpu_check import main as gpu_check_main
+
+    return gpu_check_main(list(argv), prog=prog)
+
+
 def to_parquet(argv: Sequence[str], prog: str = "rayvit to-parquet") -> int:
     from rayvit.data.to_parquet import main as to_parquet_main
 
@@ -234,6 +241,7 @@ COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "project": (project, "project a sweep's per-chip throughput and memory on 8-64 GPUs, without running it"),
     "search": (search, "Ray Tune search for the fastest setting within an accuracy budget"),
     "bench": (bench, "single-process A/B timing of the training step (ratios against the first variant)"),
+    "gpu-check": (gpu_check, "on one GPU: every precision level and strategy, FairScale FSDP, the ladder's TFLOPS"),
     "to-parquet": (to_parquet, "convert an image folder into parquet shards for data.name=parquet"),
 }
 

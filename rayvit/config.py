@@ -111,7 +111,9 @@ class ParallelConfig:
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     # FSDP: True reshards parameters after forward (ZeRO-3-like); False keeps them (ZeRO-2-like).
     reshard_after_forward: bool = True
-    # FSDP gradient reduction dtype under the half-precision levels.
+    # The dtype half-precision gradients (``mixed``, ``pure``) are reduced in, by every strategy (DDP through
+    # a communication hook). fp32 gradients (``fp32``, ``amp``, LayerNorm kept in fp32) always go in fp32.
+    # Each run records the dtype used as its ``reduce_dtype`` condition.
     reduce_dtype: Literal["fp32", "half"] = "fp32"
 
 
@@ -479,6 +481,28 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_strategy_precision(p: ParallelConfig, prec: PrecisionConfig) -> None:
+    """Strategy and precision combinations a library cannot run or cannot honour, refused up front."""
+    if p.strategy == "fairscale_oss" and prec.mode == "mixed":
+        raise ConfigError(
+            "precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
+            "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
+            "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
+    if p.strategy == "fairscale_fsdp" and prec.mode == "pure" and prec.dtype == "bf16":
+        raise ConfigError(
+            "precision.mode=pure precision.dtype=bf16 cannot run with parallel.strategy=fairscale_fsdp: "
+            "FairScale 0.4.13's FSDP accepts half parameters only as fp16 (pure bf16 does not exist in that "
+            "version); use precision.dtype=fp16, or parallel.strategy=fsdp (PyTorch FSDP2) for pure bf16")
+    if prec.mode == "pure" and p.reduce_dtype == "fp32" and p.strategy in ("fairscale_fsdp", "fairscale_oss"):
+        why = ("FairScale FSDP reduces in fp32 only with mixed_precision (fp32_reduce_scatter)"
+               if p.strategy == "fairscale_fsdp" else
+               "ShardedDDP reduces every gradient in its parameter's dtype")
+        raise ConfigError(
+            f"precision.mode=pure with parallel.strategy={p.strategy} cannot reduce its half gradients in "
+            f"fp32 (parallel.reduce_dtype=fp32): {why}; set parallel.reduce_dtype=half, or use "
+            "parallel.strategy=ddp or fsdp, which reduce in fp32")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks of a run config; raises ConfigError naming the key, the value and the fix."""
     _validate_model(cfg.model)
@@ -526,11 +550,7 @@ def _validate_parallel(cfg: Config) -> None:
             "parallel.strategy=fairscale_fsdp needs CUDA GPUs (FairScale's FSDP uses CUDA streams and "
             "fails on CPU); set parallel.use_gpu=true on a GPU cluster, or use parallel.strategy=fsdp "
             "(PyTorch FSDP2), which runs on CPU too")
-    if p.strategy == "fairscale_oss" and cfg.precision.mode == "mixed":
-        raise ConfigError(
-            "precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
-            "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
-            "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
+    _validate_strategy_precision(p, cfg.precision)
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -20,6 +20,11 @@ import torch.distributed as dist  # noqa: E402
 
 COMBOS = [(s, m) for s in ("ddp", "fsdp", "fairscale_oss") for m in ("fp32", "amp", "mixed", "pure")
           if not (s == "fairscale_oss" and m == "mixed")]
+
+
+def reduce_dtype(strategy: str, mode: str) -> str:
+    """ShardedDDP reduces in the parameters' dtype: under pure it can only be told to reduce in half."""
+    return "parallel.reduce_dtype=" + ("half" if strategy == "fairscale_oss" and mode == "pure" else "fp32")
 SMALL_BUCKET = 5000
 
 
@@ -29,7 +34,7 @@ def measure(strategy: str, mode: str) -> float:
 
     cfg = load_config(ROOT / "experiments/configs/cpu_default.yaml", [
         f"parallel.strategy={strategy}", f"precision.mode={mode}", "parallel.num_workers=2", "train.steps=2",
-        "train.warmup_steps=1", "train.batch_size=4"])
+        "train.warmup_steps=1", "train.batch_size=4", reduce_dtype(strategy, mode)])
     return train(cfg).metrics["model_state_bytes_per_rank"]
 
 

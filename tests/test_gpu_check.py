@@ -22,8 +22,43 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_the_checks_and_options():
     proc = _run("--help")
     assert proc.returncode == 0, proc.stderr
-    for text in ("--model", "vit_h16", "--compile", "--out", "nccl", "flash", "fairscale_fsdp", "ladder"):
+    for text in ("--model", "vit_h16", "--compile", "--out", "nccl", "flash", "fairscale_fsdp", "ladder",
+                 "--quick", "--list", "layernorm", "reduce", "decay"):
         assert text in proc.stdout
+
+
+def test_list_names_every_case_without_a_gpu():
+    full = _run("--list")
+    assert full.returncode == 0, full.stderr
+    for case in ("strategy fairscale_fsdp fp32", "strategy fairscale_fsdp amp-fp16",
+                 "strategy fairscale_fsdp mixed-fp16 +clip", "strategy fairscale_fsdp pure-fp16 +clip",
+                 "layernorm fp32 ddp mixed-bf16", "layernorm fp32 fsdp mixed-bf16",
+                 "layernorm fp32 fairscale_fsdp mixed-fp16", "reduce ddp mixed-bf16 ->fp32",
+                 "reduce fsdp pure-bf16 ->fp32", "reduce fairscale_fsdp mixed-fp16 ->half",
+                 "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1"):
+        assert case in full.stdout
+    quick = _run("--list", "--quick")
+    assert quick.returncode == 0, quick.stderr
+    assert "10 steps, 3 warm-up" in quick.stdout and "precision pure-fp16" not in quick.stdout
+    assert "strategy fairscale_fsdp pure-fp16 +clip" in quick.stdout
+    assert len(quick.stdout.splitlines()) < len(full.stdout.splitlines())
+
+
+def _gpu_check_module():
+    import rayvit.gpu_check
+
+    return rayvit.gpu_check
+
+
+def test_dtype_checks_run_on_cpu_where_their_strategies_do():
+    """The layernorm and reduce cases' own code (hooks, spies, verdicts), on CPU for ddp and fsdp."""
+    check = _gpu_check_module()
+    cpu = torch.device("cpu")
+    facts = check.check_layer_norm_fp32(cpu, "fsdp", "bf16", steps=2)
+    assert facts.startswith("LayerNorm weight fp32, output fp32, grad fp32; matmuls bf16")
+    assert check.check_reduce_dtype(cpu, "ddp", "mixed", "bf16", "half", steps=1).startswith(
+        "reduced in bf16/fp32")          # half buckets in bf16, the fp32 LayerNorm bucket in fp32
+    assert check.check_reduce_dtype(cpu, "fsdp", "pure", "bf16", "fp32", steps=1).startswith("reduced in fp32")
 
 
 def test_bad_arguments_exit_2():

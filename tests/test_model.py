@@ -35,6 +35,18 @@ def test_layouts_give_identical_outputs_from_identical_weights(stem, classifier)
     torch.testing.assert_close(second(images), out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["batch_first", "batch_second"])
+@pytest.mark.parametrize("classifier", ["token", "pooled"])
+def test_tokens_enter_every_block_contiguous(layout, classifier):
+    """Pooled (no class token to cat) once kept a strided view of the stem through every block."""
+    model = build_model(load_config(overrides=[f"model.layout={layout}", f"model.classifier={classifier}"]).model)
+    contiguous = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, args: contiguous.append(args[0].is_contiguous()))
+    model(torch.randn(2, 3, 32, 32))
+    assert contiguous == [True] * len(model.blocks)
+
+
 def test_pooled_classifier_has_no_class_token_and_zero_head_init():
     token = build_model(load_config().model)
     pooled = build_model(load_config(overrides=["model.classifier=pooled"]).model)

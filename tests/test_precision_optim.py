@@ -41,7 +41,8 @@ def test_every_fp16_level_trains_and_warns_once_on_cpu(mode, monkeypatch):
 
 def test_level_dtypes():
     cpu = torch.device("cpu")
-    cfg = load_config(overrides=["precision.mode=mixed"])
+    # Every weight half: mixed without its default fp32 LayerNorm (test_fidelity covers that default).
+    cfg = load_config(overrides=["precision.mode=mixed", "precision.layer_norm_fp32=false"])
     mixed = Session(cfg)
     try:
         assert all(p.dtype == torch.bfloat16 for p in mixed.model.parameters())
@@ -130,3 +131,15 @@ def test_peak_table_and_measured_cpu_rate():
     assert hardware.PEAK_TFLOPS["A100"]["bf16"] == 312.0
     peak, source = hardware.peak_flops(torch.device("cpu"), torch.float32)
     assert source == "measured" and 1e8 < peak < 1e13
+
+
+@pytest.mark.parametrize("device_name, key, bf16", [
+    ("NVIDIA H100 80GB HBM3", "H100", 989.4), ("NVIDIA H100 PCIe", "H100 PCIe", 756.0),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.5), ("NVIDIA H200", "H200", 989.4), ("NVIDIA H200 NVL", "H200 NVL", 835.5),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312.0), ("Tesla V100-SXM2-32GB", "V100", 15.7),
+    ("NVIDIA GeForce RTX 4090", None, None),
+])
+def test_peak_table_tells_the_card_variants_apart(device_name, key, bf16):
+    assert hardware.accelerator_for_name(device_name) == key
+    if key is not None:
+        assert hardware.PEAK_TFLOPS[key]["bf16"] == bf16

@@ -18,6 +18,34 @@ if TYPE_CHECKING:
     from rayvit.config import ModelConfig
 
 
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm whose parameters and arithmetic stay fp32 whatever dtype comes in; returns fp32.
+
+    The study's fastest setting without accuracy loss ran AMP O2 with LayerNorm kept in fp32 (pycls
+    ``FSDP.LAYER_NORM_FP32``). Its fp32 output feeds only matmuls (qkv, MLP, head), which autocast runs in
+    half again, and the pooled mean, which is better in fp32 anyway.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Autocast off: on CPU it would run layer_norm in the input's half dtype.
+        with torch.autocast(x.device.type, enabled=False):
+            weight = None if self.weight is None else self.weight.float()
+            bias = None if self.bias is None else self.bias.float()
+            return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+
+
+def keep_layer_norms_fp32(model: nn.Module) -> list[nn.LayerNorm]:
+    """Turn every LayerNorm of ``model`` into an :class:`FP32LayerNorm` with fp32 parameters, in place.
+
+    Same parameters and state-dict keys, so checkpoints move freely between the two. Returns the norms.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    for norm in norms:
+        norm.__class__ = FP32LayerNorm
+        norm.float()
+    return norms
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection and SDPA."""
 
@@ -154,7 +182,10 @@ class VisionTransformer(nn.Module):
             pos = self.pos_embed
             if self.class_token is not None:
                 x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
-        x = self.pos_drop(x + pos)
+        # Contiguous tokens: without a class token (whose cat copies) x would stay a strided view of the
+        # stem's output through every block, making each LayerNorm copy and each residual add strided.
+        # ``pos + x`` (pos first) already comes out contiguous batch-first; batch-second still copies once.
+        x = self.pos_drop((pos + x).contiguous())
         for block in self.blocks:
             x = block(x)
         return self.norm(x)

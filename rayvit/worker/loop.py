@@ -130,7 +130,7 @@ class Session:
         if finite:
             if self.cfg.optim.grad_clip > 0:
                 self.strategy.clip_grad_norm_(self.model, self.optimizer, self.cfg.optim.grad_clip)
-            self.optimizer.step()
+            self.strategy.optimizer_step(self.model, self.optimizer)
             if masters is not None:
                 masters.masters_to_model()
         else:
@@ -150,6 +150,12 @@ class Session:
                 self.sampler.activate()
             else:
                 self.sampler.deactivate()
+
+    def align_ranks(self) -> None:
+        """Wait for every rank, outside the timed steps: a report (Ray's, ~2 s, or a checkpoint) releases
+        ranks at different times, and without this the next timed step would absorb the difference."""
+        if self.world_size > 1:
+            dist.barrier()
 
     def clear_grads(self) -> None:
         self.strategy.zero_grad(self.model, self.optimizer)
@@ -252,8 +258,12 @@ class Session:
             "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
             "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
-            "peak_source": peak_source, "data": self.cfg.data.name, **metrics.library_versions(),
+            "peak_source": peak_source, "data": self.cfg.data.name,
             "memory_measure": hardware.memory_measure(self.device),
+            # Like for like: the dtype gradients were reduced in, and whether LayerNorm stayed fp32.
+            "reduce_dtype": hardware.dtype_name(self.strategy.reduce_dtype),
+            "layer_norm_fp32": self.precision.layer_norm_fp32 or self.precision.mode == "fp32",
+            **metrics.library_versions(),
         }
 
     # ---------------------------------------------------------------------------------------------
@@ -324,6 +334,7 @@ def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards:
             if report and (session.step % t.report_every == 0 or last
                            or (t.checkpoint_every and session.step % t.checkpoint_every == 0)):
                 report({"step": session.step, "loss": loss, "lr": session.history[-1]["lr"]}, session)
+                session.align_ranks()
         session.evaluate()
         return session.summary(time.perf_counter() - start)
     finally:

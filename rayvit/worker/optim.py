@@ -16,19 +16,45 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from rayvit.config import ConfigError, OptimConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weights, and biases / norm weights / position embedding / class token.
+def weight_decay_plan(model: nn.Module) -> dict[tuple[int, str], bool]:
+    """Which parameters decay, decided on the unwrapped model: ``{(id(owner module), name): decays}``.
 
-    Decided from parameter objects (dimensionality and the model's ``no_weight_decay()``), never from
-    names, so the grouping is the same after DDP or FSDP wrapping renames or replaces parameters.
+    Biases, norm weights and the model's ``no_weight_decay()`` parameters (position embedding, class token)
+    do not decay. Keyed by owning module and attribute name, not by parameter object or shape: DDP and FSDP2
+    keep the modules (FSDP2 swaps their parameters for sharded ones of the same name) and FairScale's flat
+    parameters record the module and name of every tensor they hold, whereas shapes do not survive
+    sharding (a FairScale shard is 1-D whatever it came from).
     """
     inner = getattr(model, "module", model)
     skip = {id(p) for p in getattr(inner, "no_weight_decay", lambda: [])()}
+    return {(id(m), n): not (p.ndim <= 1 or id(p) in skip)
+            for m in model.modules() for n, p in m.named_parameters(recurse=False) if p.requires_grad}
+
+
+def owned_parameters(model: nn.Module):
+    """``(module, name, parameter)`` for every trainable parameter, each once, under the module holding it."""
+    seen: set[int] = set()
+    for m in model.modules():
+        for n, p in m.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                yield m, n, p
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 plan: Optional[dict[tuple[int, str], bool]] = None) -> list[dict]:
+    """Two groups: decayed weights, and biases / norm weights / position embedding / class token.
+
+    ``plan`` is :func:`weight_decay_plan` of the model before it was wrapped (default: of ``model`` itself).
+    A parameter the plan does not know (a wrapper's own) is an error, never silently left undecayed.
+    """
+    plan = weight_decay_plan(model) if plan is None else plan
     decay, no_decay = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim <= 1 or id(p) in skip else decay).append(p)
+    for m, n, p in owned_parameters(model):
+        if (id(m), n) not in plan:
+            raise ValueError(f"parameter {n!r} of {type(m).__name__} did not exist before wrapping: "
+                             "its weight decay is undecided")
+        (decay if plan[(id(m), n)] else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

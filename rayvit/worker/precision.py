@@ -11,6 +11,12 @@
 strategies the ``mixed`` level is FSDP's own mixed-precision policy (sharded fp32 parameters are the
 master copy, unsharded compute parameters are half), so no separate master copy is kept. bf16 needs no
 loss scaling.
+
+``mixed`` keeps LayerNorm in fp32 by default (``precision.layer_norm_fp32``), the study's fastest setting
+without accuracy loss: LayerNorm parameters stay fp32 (no master copy needed), LayerNorm runs in fp32
+(:class:`rayvit.models.vit.FP32LayerNorm`) and the step runs under autocast so that the matmuls fed by
+its fp32 output still run in half, as pycls ran its O2 (FairScale FSDP ``mixed_precision`` parameters
+inside ``torch.cuda.amp.autocast``, pycls/core/trainer.py ``setup_model`` and ``train_epoch``).
 """
 
 from __future__ import annotations
@@ -68,15 +74,19 @@ class LossScaler:
 
 
 class MasterWeights:
-    """fp32 master copies of half-precision model parameters (the ``mixed`` level without FSDP)."""
+    """fp32 master copies of half-precision model parameters (the ``mixed`` level without FSDP).
+
+    Parameters that are fp32 already (LayerNorm kept in fp32) need no copy: the optimizer updates them
+    directly, and ``master_of`` returns them unchanged.
+    """
 
     def __init__(self, model_params: list[torch.nn.Parameter]) -> None:
-        self.model_params = model_params
-        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in model_params]
-        self._by_id = {id(p): m for p, m in zip(model_params, self.masters)}
+        self.model_params = [p for p in model_params if p.dtype != torch.float32]
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params]
+        self._by_id = {id(p): m for p, m in zip(self.model_params, self.masters)}
 
     def master_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
-        return self._by_id[id(param)]
+        return self._by_id.get(id(param), param)
 
     def grads_to_masters(self) -> None:
         for p, m in zip(self.model_params, self.masters):
@@ -105,6 +115,9 @@ class Precision:
                 "than fp32 here). Use precision.dtype=bf16 on CPUs.", UserWarning, stacklevel=2)
         self.scaler: Optional[LossScaler] = (
             LossScaler() if self.mode != "fp32" and self.half is torch.float16 else None)
+        # rayvit itself keeps LayerNorm in fp32 only under ``mixed`` (fp32 has nothing to keep; amp leaves
+        # it to autocast's per-device policy; pure is everything half by definition).
+        self.layer_norm_fp32 = self.mode == "mixed" and cfg.layer_norm_fp32
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -123,13 +136,24 @@ class Precision:
         return self.mode == "mixed" and not self.strategy_owns_mixed
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model.to(dtype=self.param_dtype)
+        """Cast ``model`` to the parameter dtype; under ``mixed`` with fp32 LayerNorm, keep the norms fp32."""
+        model = model.to(dtype=self.param_dtype)
+        if self.layer_norm_fp32:
+            from rayvit.models.vit import keep_layer_norms_fp32
+
+            keep_layer_norms_fp32(model)
+        return model
 
     def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
         return images.to(self.compute_dtype if self.mode in ("mixed", "pure") else torch.float32)
 
+    @property
+    def uses_autocast(self) -> bool:
+        # ``mixed`` with fp32 LayerNorm: autocast runs the matmuls fed by the norms' fp32 output in half.
+        return self.mode == "amp" or self.layer_norm_fp32
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.mode == "amp":
+        if self.uses_autocast:
             return torch.autocast(self.device.type, dtype=self.half)
         return contextlib.nullcontext()
 

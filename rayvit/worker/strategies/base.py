@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rayvit.worker import checkpoint
-from rayvit.worker.optim import build_optimizer, param_groups
+from rayvit.worker.optim import build_optimizer, param_groups, weight_decay_plan
 from rayvit.worker.precision import MasterWeights, Precision
 
 if TYPE_CHECKING:
@@ -62,20 +62,35 @@ class Strategy:
     # -- building ------------------------------------------------------------------------------------
 
     def parallelize(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap ``model`` (already on the device, cast by the precision) and build its optimizer."""
+        """Wrap ``model`` (already on the device, cast by the precision) and build its optimizer.
+
+        Weight decay is decided on the unwrapped model, where every tensor still has its shape and name.
+        """
+        plan = weight_decay_plan(model)
         model = self.wrap(model)
-        return model, self.build_optimizer(model)
+        return model, self.build_optimizer(model, plan)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """Weight-decay groups from the wrapped model, over an fp32 master copy where the precision keeps one."""
-        groups = param_groups(model, self.cfg.optim.weight_decay)
+    def build_optimizer(self, model: nn.Module, plan: dict) -> torch.optim.Optimizer:
+        """Weight-decay groups from ``plan``, over an fp32 master copy where the precision keeps one."""
+        groups = param_groups(model, self.cfg.optim.weight_decay, plan)
         if self.precision.uses_master_weights:
             self.masters = MasterWeights([p for g in groups for p in g["params"]])
             groups = [{**g, "params": [self.masters.master_of(p) for p in g["params"]]} for g in groups]
         return build_optimizer(self.cfg.optim, groups, eps=self.precision.adam_eps(self.cfg.optim.eps))
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients travel in when ranks reduce them (``parallel.reduce_dtype``).
+
+        It governs half-precision gradients (``mixed``, ``pure``); fp32 gradients (``fp32``, ``amp``, and
+        LayerNorm kept in fp32) are reduced in fp32 by every strategy.
+        """
+        if self.precision.mode in ("fp32", "amp") or self.cfg.parallel.reduce_dtype == "fp32":
+            return torch.float32
+        return self.precision.half
 
     @staticmethod
     def unwrap(model: nn.Module) -> nn.Module:
@@ -91,8 +106,14 @@ class Strategy:
         model.zero_grad(set_to_none=True)
 
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient. Replicated (reduced) gradients and FSDP2's DTensor
+        gradients give every rank that same norm; sharding libraries override this with their own."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """One optimizer step on the (unscaled, clipped) gradients."""
+        optimizer.step()
 
     # -- checkpoints ----------------------------------------------------------------------------------
 

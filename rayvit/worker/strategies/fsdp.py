@@ -23,24 +23,36 @@ class FSDP(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (world_size(),))
         kwargs = dict(mesh=mesh, reshard_after_forward=self.cfg.parallel.reshard_after_forward,
                       mp_policy=self.mixed_precision_policy())
+        # LayerNorm kept in fp32: its parameters form groups of their own with no mixed-precision policy
+        # (an FSDP2 group has one parameter dtype), one group for both norms of a block so that each block
+        # costs one extra all-gather, not two. Bottom-up: norms before the block that holds them.
+        norm_kwargs = dict(kwargs, mp_policy=MixedPrecisionPolicy())
         for block in model.blocks:
+            if self.precision.layer_norm_fp32:
+                fully_shard([block.norm1, block.norm2], **norm_kwargs)
             fully_shard(block, **kwargs)
+        if self.precision.layer_norm_fp32:
+            fully_shard(model.norm, **norm_kwargs)
         fully_shard(model, **kwargs)
         return model
 
     def mixed_precision_policy(self):
-        """``mixed``: half compute parameters gathered from fp32 shards (the master copy); else none."""
+        """``mixed``: half compute parameters gathered from fp32 shards (the master copy), gradients reduced
+        in ``parallel.reduce_dtype``. ``pure``: the parameters are half already; an fp32 reduce dtype
+        makes FSDP2 reduce-scatter in fp32 and cast the result back (_fsdp_collectives.py foreach_reduce).
+        """
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.precision.mode != "mixed":
-            return MixedPrecisionPolicy()
-        reduce = torch.float32 if self.cfg.parallel.reduce_dtype == "fp32" else self.precision.half
-        return MixedPrecisionPolicy(param_dtype=self.precision.half, reduce_dtype=reduce)
+        if self.precision.mode == "mixed":
+            return MixedPrecisionPolicy(param_dtype=self.precision.half, reduce_dtype=self.reduce_dtype)
+        if self.precision.mode == "pure":
+            return MixedPrecisionPolicy(reduce_dtype=self.reduce_dtype)
+        return MixedPrecisionPolicy()
 
     # Sharded state: every rank writes its own shard with torch.distributed.checkpoint into the same
     # folder (Ray merges the ranks' folders into one checkpoint).

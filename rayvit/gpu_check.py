@@ -1,0 +1,615 @@
+"""GPU check: everything rayvit does only on CUDA, and the study's optimization ladder, on one GPU.
+
+    rayvit gpu-check                      # ViT-L/16 ladder, within 8 minutes on one H100/H200
+    rayvit gpu-check --quick              # fewer checks, a shorter ladder: within 3 minutes
+    rayvit gpu-check --list               # the checks it would run (no GPU needed)
+    rayvit gpu-check --model vit_h16      # the study's ViT-H/16
+    rayvit gpu-check --compile            # also torch.compile one training run
+
+Checks, each PASS or FAIL with its reason:
+  nccl         a one-rank NCCL process group all-reduces a CUDA tensor
+  precision    fp32, and amp / mixed / pure in bf16 and fp16: a small ViT trains (rayvit.worker.train),
+               its loss is finite and falls
+  strategies   fsdp (PyTorch FSDP2), fairscale_fsdp (fp32, amp, mixed and pure fp16, with FairScale's own
+               gradient clipping) and fairscale_oss at world size 1, same criteria
+  layernorm    under mixed, for ddp, fsdp and fairscale_fsdp: LayerNorm weights and outputs fp32 while the
+               matmuls run in half (forward hooks), and the norms' gradients fp32
+  reduce       the dtype gradients are reduced in (parallel.reduce_dtype): DDP's hook seen on the wire,
+               FSDP2's reduce buffer, FairScale's fp32_reduce_scatter (one rank: FairScale sends nothing)
+  decay        fairscale_fsdp weight decay over flat parameters: matrices decay, the rest does not
+  flash        torch.backends.cuda.flash_sdp_enabled(); SDPA in bf16 runs with only the flash backend
+               allowed, for raw tensors and for the ViT's attention in both layouts; and whether SDPA's
+               own choice was a flash kernel (profiler)
+  memory       per precision level: torch.cuda.max_memory_allocated's growth per image of batch against
+               rayvit.projection's activation model (within -25%/+33%), and the peak against its total
+  compile      (--compile) a torch.compile'd training run, same criteria
+  nvml         a training run's NVML sampler reports utilisation and power over its timed window, and
+               peak allocated <= reserved memory, per rank and as the run's figures
+Then the ladder (rayvit.studies.plan.plan_ladder) at world size 1: baseline (DDP, amp or fp32, token
+classifier, batch-first, loop AdamW, 224 px) -> +mixed precision -> +FSDP -> +MTA optimizer ->
++pooled classifier -> +batch-second -> +256 px -> +full half precision, with per-chip TFLOPS, MFU
+and each rung's ratio to the baseline. At one GPU FSDP has nothing to shard across: its rung shows
+the wrapper's own cost, not the multi-GPU gain.
+
+Everything goes to a JSON file (--out). Exit status: 0 all passed, 1 a check or rung failed, 2 no CUDA
+or bad arguments. Not run by CI or the tests (they need no GPU); run it by hand on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+# Run from a checkout (or a `ray job submit --working-dir` copy) without installing the package.
+
+# The study's ViT-H/16 ratios to its DDP baseline (A100s), printed beside ours for orientation.
+STUDY_RATIOS = {"batch_second": 1.51, "image_256": 1.86, "full_half": 2.18}
+
+# A small ViT for the functional checks: head_dim 64 so the flash kernel applies, a second or two per run.
+SMALL_MODEL = {"name": "custom", "hidden_dim": 256, "depth": 4, "num_heads": 4, "mlp_dim": 1024,
+               "patch_size": 16, "image_size": 64, "num_classes": 10}
+
+
+def parse_args(argv: Optional[list[str]] = None, prog: str = "rayvit gpu-check") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["vit_l16", "vit_h16"], default="vit_l16",
+                        help="ladder model (default vit_l16; vit_h16 is the study's, about 2.5x slower)")
+    parser.add_argument("--compile", action="store_true", help="also check a torch.compile'd training run")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="ladder batch per GPU (default 32, the study's 256 over 8 GPUs)")
+    parser.add_argument("--steps", type=int, default=20, help="ladder steps per rung (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="of which untimed warm-up steps (default 5)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
+                        help="the ladder's half type (default bf16; the study's A100 runs used fp16)")
+    parser.add_argument("--baseline-precision", choices=["amp", "fp32"], default="amp",
+                        help="the baseline rung's precision (default amp)")
+    parser.add_argument("--no-ladder", action="store_true", help="run the checks only")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer precision checks, shorter runs and ladder (--steps 10 --warmup 3): within 3 minutes")
+    parser.add_argument("--list", action="store_true", help="print the checks and ladder it would run, then exit")
+    parser.add_argument("--out", default="results/gpu_check.json", help="JSON file (default %(default)s)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        # Explicit --steps/--warmup win; the quick ladder's defaults are shorter.
+        given = argv if argv is not None else sys.argv[1:]
+        if "--steps" not in given:
+            args.steps = 10
+        if "--warmup" not in given:
+            args.warmup = 3
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be >= 0 and below --steps")
+    if args.batch_size < 1:
+        parser.error("--batch-size must be positive")
+    return args
+
+
+def no_cuda_reason() -> Optional[str]:
+    """Why this process cannot use CUDA, or None when it can."""
+    import os
+
+    import torch
+
+    if torch.version.cuda is None:
+        return (f"this torch ({torch.__version__}) is a CPU-only build. Install a CUDA build of torch on a "
+                f"machine with an NVIDIA GPU, e.g. `pip install torch` there.")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return (f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device{hint}. "
+                f"Check `nvidia-smi` and the driver.")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks: each returns a short detail string, or raises with the reason it failed.
+
+
+def check_nccl(device) -> str:
+    """A one-rank NCCL process group all-reduces a CUDA tensor."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        t = torch.arange(1024, dtype=torch.float32, device=device)
+        dist.all_reduce(t)
+        torch.cuda.synchronize(device)
+        if not torch.equal(t.cpu(), torch.arange(1024, dtype=torch.float32)):
+            raise RuntimeError("one-rank all_reduce changed the tensor")
+        backend = dist.get_backend()
+    finally:
+        dist.destroy_process_group()
+    version = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+    return f"backend {backend}, NCCL {version}"
+
+
+def small_config(overrides: dict[str, Any], *, steps: int = 30):
+    """A functional-check run: the small ViT on synthetic batches, ``steps`` steps on one GPU."""
+    from rayvit.config import from_dict
+
+    base = {"model": dict(SMALL_MODEL), "data": {"name": "synthetic"},
+            "parallel": {"use_gpu": True, "num_workers": 1},
+            "train": {"batch_size": 32, "steps": steps, "warmup_steps": min(5, steps - 1), "report_every": steps}}
+    return from_dict(base, overrides)
+
+
+def check_training(device, overrides: dict[str, Any], steps: int = 30) -> str:
+    """Train the small ViT with ``overrides``: the loss must be finite and fall."""
+    from rayvit.worker import train
+
+    cfg = small_config(overrides, steps=steps)
+    result = train(cfg, device=device)
+    losses = [h["loss"] for h in result.history]
+    if len(losses) != steps:
+        raise RuntimeError(f"ran {len(losses)} of {steps} steps")
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"non-finite loss: {losses}")
+    if not losses[-1] < losses[0]:
+        raise RuntimeError(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    m, c = result.metrics, result.conditions
+    return (f"{c['precision']}, reduce {c['reduce_dtype']}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+            f"{m['images_per_sec_per_chip']:.0f} img/s, peak {m['peak_memory_bytes_per_rank'] / 2**20:.0f} MiB")
+
+
+def _trained_session(device, overrides: dict[str, Any], steps: int, before_steps=None):
+    """A Session of the small ViT after ``steps`` steps, and its losses; ``before_steps(session)`` first."""
+    from rayvit.worker import Session
+
+    session = Session(small_config(overrides, steps=steps), device)
+    try:
+        if before_steps is not None:
+            before_steps(session)
+        losses = []
+        for _ in range(steps):
+            session.clear_grads()
+            losses.append(session.train_step())
+    except BaseException:
+        session.close()
+        raise
+    return session, losses
+
+
+def _names(dtypes) -> str:
+    from rayvit.worker.hardware import dtype_name
+
+    return "/".join(sorted(dtype_name(d) for d in dtypes)) or "none"
+
+
+def check_layer_norm_fp32(device, strategy: str, dtype: str, steps: int = 4) -> str:
+    """``mixed``: LayerNorm weights, outputs and gradients fp32 while the matmuls run in half."""
+    import torch
+    from torch import nn
+
+    from rayvit.worker.strategies import Strategy
+
+    seen: dict[str, set] = {"norm_w": set(), "norm_out": set(), "mm": set()}
+
+    def on_norm(module, inputs, output) -> None:       # a hook returning a value would replace the output
+        seen["norm_w"].add(module.weight.dtype)
+        seen["norm_out"].add(output.dtype)
+
+    def on_linear(module, inputs, output) -> None:
+        seen["mm"].add(output.dtype)
+
+    def spy(session) -> None:
+        for m in Strategy.unwrap(session.model).modules():
+            if isinstance(m, nn.LayerNorm):
+                m.register_forward_hook(on_norm)
+            elif isinstance(m, nn.Linear):
+                m.register_forward_hook(on_linear)
+
+    session, losses = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": "mixed",
+                                                "precision.dtype": dtype}, steps, spy)
+    try:
+        norms = [m for m in Strategy.unwrap(session.model).modules() if isinstance(m, nn.LayerNorm)]
+        grads = {p.grad.dtype for m in norms for p in m.parameters() if p.grad is not None}
+    finally:
+        session.close()
+    facts = (f"LayerNorm weight {_names(seen['norm_w'])}, output {_names(seen['norm_out'])}, grad "
+             f"{_names(grads)}; matmuls {_names(seen['mm'])}")
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    fp32 = {torch.float32}
+    if not (seen["norm_w"] == seen["norm_out"] == grads == fp32 and seen["mm"] == {half}):
+        raise RuntimeError(f"expected LayerNorm fp32 and matmuls {dtype}: {facts}")
+    if not all(math.isfinite(x) for x in losses):
+        raise RuntimeError(f"non-finite loss ({facts}): {losses}")
+    return facts
+
+
+def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str, steps: int = 3) -> str:
+    """The dtype this strategy reduces half gradients in, seen where one rank can see it.
+
+    DDP: the dtypes its communication hook hands to ``all_reduce``. FSDP2: the dtype of the buffer it
+    reduce-scatters from (allocated in the reduce dtype even at one rank). FairScale FSDP sends nothing at
+    one rank: its ``fp32_reduce_scatter`` flags and the gradients' dtype are reported instead.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from rayvit.worker.hardware import dtype_name
+
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    expected = torch.float32 if reduce == "fp32" else half
+    sent: list = []
+    if strategy == "ddp":
+        module, name = dist, "all_reduce"
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as module
+        name = "foreach_reduce_scatter_copy_in"
+    real = getattr(module, name) if strategy != "fairscale_fsdp" else None
+
+    def spy(*args, **kwargs):
+        tensor = args[0] if strategy == "ddp" else args[1]
+        if tensor.numel() > 1:              # not the loss scaler's one-element overflow flag
+            sent.append(tensor.dtype)
+        return real(*args, **kwargs)
+
+    if real is not None:
+        setattr(module, name, spy)
+    try:
+        session, _ = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
+                                               "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
+    finally:
+        if real is not None:
+            setattr(module, name, real)
+    try:
+        recorded = session.conditions("check")["reduce_dtype"]
+        if strategy == "fairscale_fsdp":
+            flags = {w.fp32_reduce_scatter for w in session.model.modules() if getattr(w, "mixed_precision", False)}
+            grads = {p.grad.dtype for p in session.model.parameters() if p.grad is not None}
+            facts = f"1 rank, no reduction; fp32_reduce_scatter {sorted(flags)}, grads {_names(grads)}"
+            ok = flags == {True} and grads == {torch.float32}
+        else:
+            facts = f"reduced in {_names(set(sent))}"
+            # fp32 LayerNorm gradients (mixed) always travel in fp32 beside the half ones.
+            ok = expected in sent and set(sent) <= {expected, torch.float32}
+    finally:
+        session.close()
+    facts += f"; recorded reduce_dtype={recorded}"
+    if not ok or recorded != dtype_name(expected):
+        raise RuntimeError(f"expected {dtype_name(expected)}: {facts}")
+    return facts
+
+
+def check_fairscale_weight_decay(device) -> str:
+    """One AdamW step on zero gradients is pure decay: flat-parameter elements from matrices shrink by
+    ``1 - lr * wd``, those from biases, norms, position embedding and class token do not move."""
+    import torch
+
+    from rayvit.worker import Session
+
+    session = Session(small_config({"parallel.strategy": "fairscale_fsdp", "optim.weight_decay": 0.5,
+                                    "optim.lr": 0.1}), device)
+    try:
+        decay = session.strategy.masked_decay
+        before = [p.detach().clone() for p in decay.params]
+        for p in decay.params:
+            p.grad = torch.zeros_like(p)
+        session.strategy.optimizer_step(session.model, session.optimizer)
+        for p, old, mask in zip(decay.params, before, decay.masks):
+            torch.testing.assert_close(p.detach()[mask], old[mask] * (1 - 0.1 * 0.5))
+            torch.testing.assert_close(p.detach()[~mask], old[~mask], rtol=0, atol=0)
+        decayed = sum(int(m.sum()) for m in decay.masks)
+        total = sum(m.numel() for m in decay.masks)
+    finally:
+        session.close()
+    return f"{len(decay.params)} flat parameters: {decayed:,} of {total:,} elements decay (matrices), the rest do not"
+
+
+def check_flash(device) -> str:
+    """Flash attention through SDPA: enabled, runnable alone in bf16, and what SDPA picks by itself."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rayvit.config import ModelConfig, from_dict
+    from rayvit.models import build_model
+
+    if not torch.backends.cuda.flash_sdp_enabled():
+        raise RuntimeError("torch.backends.cuda.flash_sdp_enabled() is False")
+    # ViT-L/16 at 224 px: 16 heads of 64 over 197 tokens.
+    q, k, v = (torch.randn(8, 16, 197, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):       # raises "No available kernel" if flash cannot run
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.sum().backward()
+    torch.cuda.synchronize(device)
+
+    # The model's own attention (strided q/k/v views in both layouts) must qualify for flash too.
+    for layout in ("batch_first", "batch_second"):
+        model_cfg: ModelConfig = from_dict({"model": {**SMALL_MODEL, "layout": layout}}).model
+        model = build_model(model_cfg).to(device=device, dtype=torch.bfloat16)
+        images = torch.randn(4, 3, model_cfg.image_size, model_cfg.image_size, device=device, dtype=torch.bfloat16)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            model(images).float().sum().backward()
+        torch.cuda.synchronize(device)
+    forced = "flash runs alone for raw bf16 SDPA and the ViT's attention (both layouts)"
+
+    # SDPA's own choice with every backend allowed: look for a flash kernel in the CUDA trace. A profiler
+    # that cannot trace (no CUPTI) gives no verdict either way.
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            F.scaled_dot_product_attention(q, k, v)
+            torch.cuda.synchronize(device)
+        kernels = [e.key for e in prof.key_averages()]
+    except Exception as e:
+        return f"{forced}; SDPA's own choice not determined (profiler: {type(e).__name__}: {e})"
+    if not kernels:
+        return f"{forced}; SDPA's own choice not determined (the profiler saw no CUDA kernels)"
+    flash = [name for name in kernels if "flash" in name.lower()]
+    if not flash:
+        raise RuntimeError(f"SDPA in bf16 did not pick a flash kernel by itself; its kernels: {kernels[:6]}")
+    return f"{forced}; SDPA picks {flash[0][:60]} by itself"
+
+
+def check_nvml_sampler(device) -> str:
+    """A short training run reports its GPU's utilisation and power (NVML, sampled beside training)."""
+    import pynvml  # noqa: F401 - without nvidia-ml-py the figures are absent: say so, not "no readings"
+
+    from rayvit.worker import train
+
+    # Long enough for a few dozen readings at 0.1 s (the small ViT steps in milliseconds on big GPUs).
+    cfg = small_config({"train.warmup_steps": 20}, steps=600)
+    result = train(cfg, device=device)
+    m, per_rank = result.metrics, result.per_rank
+    missing = [k for k in ("gpu_utilization_pct", "gpu_power_w", "gpu_samples", "peak_memory_reserved_bytes_per_rank")
+               if k not in m]
+    if missing:
+        raise RuntimeError(f"figures missing: {missing}; has {sorted(m)}")
+    if not m["gpu_samples"] >= 3:
+        raise RuntimeError(f"only {m['gpu_samples']:.0f} NVML readings in the timed window")
+    if not (0 < m["gpu_utilization_pct"] <= 100 and 0 < m["gpu_power_w"] < 2000):
+        raise RuntimeError(f"implausible readings: {m['gpu_utilization_pct']}% at {m['gpu_power_w']} W")
+    if not 0 < m["peak_memory_bytes_per_rank"] <= m["peak_memory_reserved_bytes_per_rank"]:
+        raise RuntimeError(f"peak allocated {m['peak_memory_bytes_per_rank']} > reserved "
+                           f"{m['peak_memory_reserved_bytes_per_rank']}")
+    if [len(per_rank.get(k, [])) for k in ("peak_memory_bytes", "peak_memory_reserved_bytes",
+                                           "gpu_utilization_pct", "gpu_power_w")] != [1, 1, 1, 1]:
+        raise RuntimeError(f"per-rank figures not one per rank: {per_rank}")
+    return (f"{m['gpu_utilization_pct']:.0f}% util, {m['gpu_power_w']:.0f} W over {m['gpu_samples']:.0f} "
+            f"readings ({m['timed_steps']:.0f} timed steps, {m['step_time_p50_s'] * 1e3:.1f} ms each), peak "
+            f"{m['peak_memory_bytes_per_rank'] / 2**20:.0f} MiB allocated / "
+            f"{m['peak_memory_reserved_bytes_per_rank'] / 2**20:.0f} MiB reserved")
+
+
+def check_activation_memory(device, mode: str) -> str:
+    """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch."""
+    from rayvit.projection.memcheck import allocator_check
+
+    cfg = small_config({"precision.mode": mode, "precision.dtype": "bf16"}, steps=3)
+    r = allocator_check(cfg, device)
+    text = (f"per image measured {r['measured_per_image'] / 2**20:.2f} MiB, modelled "
+            f"{r['modelled_per_image'] / 2**20:.2f} MiB (x{r['ratio_per_image']:.2f}); peak at batch "
+            f"{r['batches'][0]} measured {r['measured_peak'] / 2**20:.0f} MiB, modelled "
+            f"{r['modelled_peak'] / 2**20:.0f} MiB (x{r['ratio_peak']:.2f})")
+    if not 0.75 <= r["ratio_per_image"] <= 1.33:
+        raise RuntimeError("activation model off by more than 25-33%: " + text)
+    return text
+
+
+def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Callable[[], str]]]:
+    """Every functional check, in order, as (name, function); ``--quick`` drops the fp16 twins and
+    shortens the training runs."""
+    steps = 15 if quick else 30
+    train = partial(check_training, device, steps=steps)
+    checks: list[tuple[str, Callable[[], str]]] = [("nccl all-reduce (1 rank)", partial(check_nccl, device))]
+    levels = [("fp32", "bf16")] + [(mode, dtype) for mode in ("amp", "mixed", "pure") for dtype in ("bf16", "fp16")]
+    if quick:
+        levels = [("fp32", "bf16"), ("amp", "bf16"), ("mixed", "bf16"), ("mixed", "fp16"), ("pure", "bf16")]
+    for mode, dtype in levels:
+        name = f"precision {mode}" + ("" if mode == "fp32" else f"-{dtype}")
+        checks.append((name, partial(train, {"precision.mode": mode, "precision.dtype": dtype})))
+    # Each sharded strategy in fp32 and the half levels it supports (OSS cannot hold an fp32 master copy;
+    # FairScale FSDP: fp32, amp, mixed and pure fp16, the study's library and half type; its clip too).
+    strategies = [("fsdp", "fp32", "bf16", {}), ("fsdp", "mixed", "bf16", {}),
+                  ("fairscale_fsdp", "fp32", "fp16", {}), ("fairscale_fsdp", "amp", "fp16", {}),
+                  ("fairscale_fsdp", "mixed", "fp16", {"optim.grad_clip": 1.0}),
+                  ("fairscale_fsdp", "mixed", "bf16", {}),
+                  ("fairscale_fsdp", "pure", "fp16", {"parallel.reduce_dtype": "half", "optim.grad_clip": 1.0}),
+                  ("fairscale_oss", "fp32", "bf16", {}), ("fairscale_oss", "amp", "bf16", {"optim.grad_clip": 1.0})]
+    for strategy, mode, dtype, extra in strategies:
+        name = f"strategy {strategy} {mode}" + ("" if mode == "fp32" else f"-{dtype}") + (" +clip" if extra.get(
+            "optim.grad_clip") else "")
+        checks.append((name, partial(train, {"parallel.strategy": strategy, "precision.mode": mode,
+                                             "precision.dtype": dtype, **extra})))
+    for strategy, dtype in (("ddp", "bf16"), ("fsdp", "bf16"), ("fairscale_fsdp", "fp16")):
+        checks.append((f"layernorm fp32 {strategy} mixed-{dtype}", partial(check_layer_norm_fp32, device, strategy, dtype)))
+    reduces = [("ddp", "mixed", "bf16", "fp32"), ("ddp", "mixed", "bf16", "half"), ("ddp", "pure", "fp16", "fp32"),
+               ("fsdp", "mixed", "bf16", "fp32"), ("fsdp", "pure", "bf16", "fp32"),
+               ("fairscale_fsdp", "mixed", "fp16", "fp32"), ("fairscale_fsdp", "mixed", "fp16", "half")]
+    for strategy, mode, dtype, reduce in reduces:
+        checks.append((f"reduce {strategy} {mode}-{dtype} ->{reduce}",
+                       partial(check_reduce_dtype, device, strategy, mode, dtype, reduce)))
+    checks.append(("decay fairscale_fsdp flat params", partial(check_fairscale_weight_decay, device)))
+    checks.append(("flash attention (SDPA)", partial(check_flash, device)))
+    checks.append(("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)))
+    for mode in ("fp32", "amp", "mixed", "pure"):
+        checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
+    if compile_:
+        checks.append(("torch.compile (ddp, amp-bf16)", partial(
+            train, {"train.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"})))
+    return checks
+
+
+def run_checks(device, *, compile_: bool, out: Callable[[str], None], quick: bool = False) -> list[dict[str, Any]]:
+    """Every functional check, in order; a failure is recorded and the next check runs."""
+    checks = plan_checks(device, quick=quick, compile_=compile_)
+    results = []
+    for name, fn in checks:
+        start = time.perf_counter()
+        traceback_text = None
+        try:
+            detail, ok = fn(), True
+        except Exception as e:
+            detail, ok = _one_line(e), False
+            traceback_text = traceback.format_exc()     # in the JSON file; the console gets one line
+        seconds = time.perf_counter() - start
+        out(f"  {'PASS' if ok else 'FAIL'}  {name:<44} {seconds:5.1f} s  {detail}")
+        results.append({"check": name, "ok": ok, "seconds": round(seconds, 2), "detail": detail,
+                        "traceback": traceback_text})
+        _free_device_memory(device)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# The ladder
+
+
+def ladder_config(args: argparse.Namespace, *, model: Optional[dict[str, Any]] = None,
+                  ladder_image_size: int = 256):
+    """The ladder as a study: the chosen ViT at 224 px with an ImageNet head, synthetic batches, one GPU."""
+    from rayvit.config import study_from_dict
+
+    return study_from_dict({
+        "model": model or {"name": args.model, "image_size": 224, "num_classes": 1000},
+        "precision": {"mode": args.baseline_precision, "dtype": args.dtype},
+        "optim": {"name": "adamw"},
+        "parallel": {"use_gpu": True, "num_workers": 1},
+        "data": {"name": "synthetic"},
+        "train": {"batch_size": args.batch_size, "steps": args.steps, "warmup_steps": args.warmup,
+                  "report_every": args.steps},
+        "sweep": {"mode": "ladder", "ladder_image_size": ladder_image_size},
+    })
+
+
+def run_ladder(cfg, device, *, out: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Train every rung of ``rayvit.studies.plan.plan_ladder(cfg)`` on ``device``; one row per rung."""
+    import torch
+
+    from rayvit.studies.plan import plan_ladder
+    from rayvit.studies.runner import Outcome
+    from rayvit.studies.sweep import rows_of, sweep_table
+    from rayvit.worker import train
+
+    outcomes = []
+    for point in plan_ladder(cfg):
+        start = time.perf_counter()
+        try:
+            result = train(point.cfg, device=device)
+            outcome = Outcome(point, "done", result=result, seconds=time.perf_counter() - start)
+            m = result.metrics
+            out(f"  {point.key:<22} {outcome.seconds:5.1f} s  {m['tflops_per_chip']:7.1f} TFLOPS  "
+                f"MFU {m['mfu']:6.1%}  {m['images_per_sec_per_chip']:7.1f} img/s")
+        except Exception as e:
+            hint = " (lower --batch-size)" if isinstance(e, torch.cuda.OutOfMemoryError) else ""
+            outcome = Outcome(point, "failed", error=_one_line(e) + hint,
+                              seconds=time.perf_counter() - start)
+            out(f"  {point.key:<22} FAILED: {outcome.error}")
+        outcomes.append(outcome)
+        _free_device_memory(device)
+    rows = rows_of(outcomes, "ladder")
+    out("")
+    out(sweep_table(rows, "ladder"))
+    return rows
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+
+
+def _free_device_memory(device) -> None:
+    import torch
+
+    from rayvit.worker import hardware
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # Each rung's peak memory is its own.
+    hardware.reset_peak_memory(device)
+
+
+def environment(device) -> dict[str, Any]:
+    import torch
+
+    from rayvit.worker import hardware
+    from rayvit.worker.metrics import library_versions
+
+    env: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(),
+                           "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                           **library_versions(), "cuda": torch.version.cuda}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, accelerator=hardware.accelerator_name(device),
+                   capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1),
+                   cudnn=torch.backends.cudnn.version(), tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+                   flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled(),
+                   mem_efficient_sdp_enabled=torch.backends.cuda.mem_efficient_sdp_enabled())
+    return env
+
+
+def list_plan(args: argparse.Namespace) -> None:
+    """``--list``: the checks and ladder rungs a run with these arguments would do."""
+    from rayvit.studies.plan import plan_ladder
+
+    print("checks:")
+    for name, _ in plan_checks(None, quick=args.quick, compile_=args.compile):
+        print(f"  {name}")
+    if not args.no_ladder:
+        print(f"ladder ({args.model}, batch {args.batch_size}, {args.steps} steps, {args.warmup} warm-up):")
+        for point in plan_ladder(ladder_config(args)):
+            print(f"  {point.key}")
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "rayvit gpu-check") -> int:
+    args = parse_args(argv, prog)
+    if args.list:
+        list_plan(args)
+        return 0
+    reason = no_cuda_reason()
+    if reason:
+        print(f"gpu_check: no GPU to check: {reason}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+    env = environment(device)
+    print(f"gpu_check on {env['device_name']} ({env['memory_gib']} GiB, sm {env['capability']}), torch "
+          f"{env['torch_version']}, CUDA {env['cuda']}")
+    print("checks:")
+    checks = run_checks(device, compile_=args.compile, out=print, quick=args.quick)
+
+    rows: list[dict[str, Any]] = []
+    if not args.no_ladder:
+        cfg = ladder_config(args)
+        print(f"\nladder: {args.model}, batch {args.batch_size}/GPU, {args.steps} steps ({args.warmup} warm-up) "
+              f"per rung, baseline {args.baseline_precision}, half type {args.dtype}, 1 GPU")
+        rows = run_ladder(cfg, device, out=print)
+        print("\nratio to the baseline (the study's ViT-H/16 on A100s in brackets):")
+        for row in rows:
+            ratio = row.get("relative_throughput")
+            study = STUDY_RATIOS.get(row["series"])
+            print(f"  {row['series']:<18} " + (f"{ratio:.2f}x" if ratio else "-") +
+                  (f"  [{study:.2f}x]" if study else ""))
+
+    failed = [c["check"] for c in checks if not c["ok"]] + [r["point"] for r in rows if r["status"] != "done"]
+    report = {"environment": env, "args": vars(args), "checks": checks, "ladder": rows,
+              "failed": failed, "seconds": round(time.perf_counter() - start, 1)}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\n{'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} in {report['seconds']:.0f} s; "
+          f"written to {path.resolve()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

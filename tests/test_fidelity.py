@@ -1,0 +1,233 @@
+"""Fidelity to the study, in one process on CPU: LayerNorm kept in fp32 under ``mixed``, gradient reduce
+dtypes, FairScale FSDP's settings and weight decay over flat shards, and refusals at config load.
+
+What needs two ranks is in ``test_strategies_gloo.py``; what needs CUDA is a case of experiments/gpu_check.py.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rayvit.config import ConfigError, load_config, load_study
+from rayvit.models import build_model
+from rayvit.studies.plan import plan
+from rayvit.worker import Session, hardware
+from rayvit.worker.optim import build_optimizer, param_groups
+from rayvit.worker.precision import Precision
+from rayvit.worker.strategies import Strategy, ensure_process_group, strategy_class
+
+CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+CPU = torch.device("cpu")
+
+
+# -- refusals at config load --------------------------------------------------------------------------
+
+
+def test_pure_bf16_with_fairscale_fsdp_is_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match="pure bf16 does not exist"):
+        load_config(overrides=["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true",
+                               "precision.mode=pure", "precision.dtype=bf16", "parallel.reduce_dtype=half"])
+    # The study config's dry run plans every point; its fairscale_fsdp points must refuse pure bf16.
+    with pytest.raises(ConfigError, match="fairscale_fsdp at 8 workers.*precision.dtype=fp16"):
+        plan(load_study(CONFIGS / "study_a100.yaml", ["precision.mode=pure", "precision.dtype=bf16"]))
+
+
+@pytest.mark.parametrize("strategy", ["fairscale_fsdp", "fairscale_oss"])
+def test_fairscale_pure_cannot_reduce_in_fp32(strategy):
+    base = [f"parallel.strategy={strategy}", "parallel.use_gpu=true", "precision.mode=pure",
+            "precision.dtype=fp16"]
+    with pytest.raises(ConfigError, match="parallel.reduce_dtype=half"):
+        load_config(overrides=base + ["parallel.reduce_dtype=fp32"])
+    assert load_config(overrides=base + ["parallel.reduce_dtype=half"]).parallel.reduce_dtype == "half"
+
+
+# -- LayerNorm in fp32 under mixed --------------------------------------------------------------------
+
+
+def _dtype_spy(model: nn.Module) -> dict[str, set]:
+    """Forward hooks: LayerNorm weight/output dtypes, Linear (matmul) weight/output dtypes."""
+    seen: dict[str, set] = {"norm_weight": set(), "norm_out": set(), "linear_weight": set(), "linear_out": set()}
+
+    def on_norm(module, inputs, output):
+        seen["norm_weight"].add(module.weight.dtype)
+        seen["norm_out"].add(output.dtype)
+
+    def on_linear(module, inputs, output):
+        seen["linear_weight"].add(module.weight.dtype)
+        seen["linear_out"].add(output.dtype)
+
+    for m in model.modules():
+        if isinstance(m, nn.LayerNorm):
+            m.register_forward_hook(on_norm)
+        elif isinstance(m, nn.Linear):
+            m.register_forward_hook(on_linear)
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_mixed_keeps_layer_norm_fp32_while_matmuls_run_in_half(strategy):
+    cfg = load_config(overrides=[f"parallel.strategy={strategy}", "precision.mode=mixed",
+                                 "precision.dtype=bf16", "train.batch_size=4"])
+    session = Session(cfg)
+    try:
+        inner = session.strategy.unwrap(session.model)
+        seen = _dtype_spy(inner)
+        session.train_step()
+        assert seen["norm_weight"] == {torch.float32} and seen["norm_out"] == {torch.float32}
+        assert seen["linear_weight"] == {torch.bfloat16} and seen["linear_out"] == {torch.bfloat16}
+        norms = [m for m in inner.modules() if isinstance(m, nn.LayerNorm)]
+        from rayvit.models.vit import FP32LayerNorm
+
+        assert norms and all(isinstance(m, FP32LayerNorm) for m in norms)
+        grads = [p.grad for m in norms for p in m.parameters()]
+        assert all(g is not None and g.dtype == torch.float32 for g in grads)
+        if strategy == "ddp":
+            # Only the half parameters have an fp32 master copy; the fp32 norms are optimized directly.
+            half = [p for p in inner.parameters() if p.dtype == torch.bfloat16]
+            assert len(session.masters.masters) == len(half) > 0
+        assert session.conditions("test")["layer_norm_fp32"] is True
+    finally:
+        session.close()
+
+
+def test_layer_norm_fp32_can_be_turned_off_and_is_recorded():
+    cfg = load_config(overrides=["precision.mode=mixed", "precision.layer_norm_fp32=false", "train.batch_size=4"])
+    session = Session(cfg)
+    try:
+        seen = _dtype_spy(session.strategy.unwrap(session.model))
+        session.train_step()
+        assert seen["norm_weight"] == {torch.bfloat16} and seen["norm_out"] == {torch.bfloat16}
+        assert session.conditions("test")["layer_norm_fp32"] is False
+    finally:
+        session.close()
+
+
+# -- reduce dtypes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, reduce, expected", [
+    ("mixed", "fp32", "fp32"), ("mixed", "half", "bf16"), ("pure", "fp32", "fp32"), ("pure", "half", "bf16"),
+    ("amp", "half", "fp32"),        # amp's gradients are fp32: reduced in fp32 whatever is asked
+])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_run_records_its_reduce_dtype(strategy, mode, reduce, expected):
+    cfg = load_config(overrides=[f"parallel.strategy={strategy}", f"precision.mode={mode}",
+                                 f"parallel.reduce_dtype={reduce}"])
+    strategy_cls = strategy_class(strategy)
+    s = strategy_cls(cfg, Precision(cfg.precision, CPU, strategy_cls.owns_mixed_precision), CPU)
+    assert hardware.dtype_name(s.reduce_dtype) == expected
+    if strategy == "fsdp" and mode != "amp":
+        # FSDP2 reduces in its policy's reduce dtype, pure included (today's pure policy was empty).
+        assert s.mixed_precision_policy().reduce_dtype == s.reduce_dtype
+
+
+@pytest.mark.parametrize("reduce, wire", [("fp32", {torch.float32}), ("half", {torch.bfloat16, torch.float32})])
+def test_ddp_mixed_sends_half_gradients_in_the_reduce_dtype(monkeypatch, reduce, wire):
+    """A spy on the all-reduce DDP's hook calls: what dtype goes over the wire (fp32 buckets: LayerNorm)."""
+    sent = []
+    real = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        sent.append(tensor.dtype)
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    session = Session(load_config(overrides=["precision.mode=mixed", "train.batch_size=4",
+                                             f"parallel.reduce_dtype={reduce}"]))
+    try:
+        session.train_step()
+        assert set(sent) == wire
+        assert session.conditions("test")["reduce_dtype"] == ("fp32" if reduce == "fp32" else "bf16")
+    finally:
+        session.close()
+
+
+# -- FairScale FSDP: wrapping and weight decay (its forward needs CUDA; wrapping and the step do not) -----
+
+
+def _fairscale(overrides, seed=0):
+    """A FairScale FSDP strategy and its wrapped tiny ViT, built on CPU (one rank)."""
+    cfg = load_config(overrides=["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true", *overrides])
+    cls = strategy_class("fairscale_fsdp")
+    precision = Precision(cfg.precision, CPU, cls.owns_mixed_precision)
+    strategy = cls(cfg, precision, CPU)
+    torch.manual_seed(seed)
+    model, optimizer = strategy.parallelize(precision.prepare_model(build_model(cfg.model)))
+    return cfg, strategy, model, optimizer
+
+
+@pytest.fixture
+def one_rank():
+    owned = ensure_process_group(CPU)
+    yield
+    if owned:
+        dist.destroy_process_group()
+
+
+FP16_ON_CPU = pytest.mark.filterwarnings("ignore:precision.dtype=fp16 on CPU")
+
+
+@FP16_ON_CPU
+def test_fairscale_fsdp_settings_per_precision(one_rank):
+    from fairscale.nn import FullyShardedDataParallel as Wrapper
+
+    _, _, model, _ = _fairscale(["precision.mode=pure", "precision.dtype=fp16", "parallel.reduce_dtype=half"])
+    block = model.blocks[0]
+    assert not block.mixed_precision and block.compute_dtype == torch.float16 and block.flatten_parameters
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+
+    # mixed at world size 1: fp32_reduce_scatter even with a half reduce dtype (no reduction happens, and
+    # only that flag casts the half gradient to the fp32 shard's dtype).
+    _, _, model, _ = _fairscale(["precision.mode=mixed", "precision.dtype=fp16", "parallel.reduce_dtype=half"])
+    block = model.blocks[0]
+    assert block.mixed_precision and block.compute_dtype == torch.float16 and block.fp32_reduce_scatter
+    assert block.flatten_parameters and len(block.params) == 1           # one flat parameter, one all-gather
+    norms = [m for m in model.modules() if isinstance(m, Wrapper) and isinstance(Strategy.unwrap(m), nn.LayerNorm)]
+    assert len(norms) == 2 * len(model.blocks) + 1
+    assert all(not n.mixed_precision and not n.flatten_parameters for n in norms)
+
+
+def _reference_step(cfg, seed, grads_seed):
+    """The step every strategy must reproduce: torch's optimizer over decay groups of the plain model."""
+    torch.manual_seed(seed)
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
+    gen = torch.Generator().manual_seed(grads_seed)
+    grads = {id(p): torch.randn(p.shape, generator=gen) for p in model.parameters()}
+    for p in model.parameters():
+        p.grad = grads[id(p)].clone()
+    optimizer.step()
+    return model, grads
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_fairscale_flat_parameters_decay_exactly_like_the_unwrapped_model(one_rank, optim):
+    """Flat parameters mix decayed matrices with undecayed biases, norms, position embedding and class token."""
+    from rayvit.worker.optim import owned_parameters
+
+    cfg, strategy, model, optimizer = _fairscale([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
+    assert any(type(p).__name__ == "FlatParameter" for p in model.parameters())
+    reference, grads = _reference_step(cfg, 0, 1)
+    ref_modules = dict(reference.named_modules())
+    path_of = _unwrapped_paths(model)
+    # Each wrapped parameter -> the reference tensors it holds (a flat one lists them in flattening order).
+    holds = {}
+    for module, name, p in owned_parameters(model):
+        parts = getattr(p, "_param_infos", None) or [(None, module, name)]
+        holds[id(p)] = (p, [getattr(ref_modules[path_of[id(m)]], n) for _, m, n in parts])
+    for p, refs in holds.values():
+        p.grad = torch.cat([grads[id(r)].reshape(-1) for r in refs]).view_as(p)
+    strategy.optimizer_step(model, optimizer)
+    for p, refs in holds.values():
+        expected = torch.cat([r.detach().reshape(-1) for r in refs]).view_as(p)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-6)
+
+
+def _unwrapped_paths(wrapped: nn.Module) -> dict[int, str]:
+    """id(module) -> its path in the unwrapped model (FairScale's wrapper levels left out)."""
+    levels = ("_fsdp_wrapped_module", "_fpw_module")
+    return {id(m): ".".join(part for part in path.split(".") if part not in levels)
+            for path, m in wrapped.named_modules()}
