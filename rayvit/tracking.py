@@ -42,6 +42,10 @@ TAG_PARENT = "mlflow.parentRunId"
 RESULT_ARTIFACT = "result.json"
 ERROR_ARTIFACT = "error.txt"
 
+# What the MLflow UI reads from an experiment's tags.
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"   # "Model training", not the GenAI views
+
 
 class TrackingError(RuntimeError):
     """The tracking store cannot be reached or used."""
@@ -131,18 +135,25 @@ def _client(uri: str):
 
 
 def get_or_create_experiment(client, uri: str, name: str) -> str:
-    """The id of experiment ``name``, creating it (artifacts beside a sqlite store) or restoring it."""
+    """The id of experiment ``name``, creating it (artifacts beside a sqlite store) or restoring it.
+
+    rayvit's experiments are model training: tagged so (``mlflow.experimentKind``) when created, and
+    when an older one has no kind yet (a kind a user chose in the UI is left alone).
+    """
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
+        if TAG_EXPERIMENT_KIND not in exp.tags:
+            client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
         return exp.experiment_id
     artifact_location = None
     db = sqlite_path(uri)
     if db is not None:
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "experiment"
         artifact_location = (db.parent / "mlartifacts" / safe).as_uri()
-    return client.create_experiment(name, artifact_location=artifact_location)
+    return client.create_experiment(name, artifact_location=artifact_location,
+                                    tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
 
 
 # --------------------------------------------------------------------------------------------------

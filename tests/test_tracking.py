@@ -98,6 +98,7 @@ def test_sweep_records_resume_and_failures(store, tmp_path, monkeypatch):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("exp-a")
     assert Path(exp.artifact_location.removeprefix("file://")).is_relative_to(tmp_path / "store")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # model training, not GenAI
     assert not list(elsewhere.iterdir())
     assert client.get_run(parent).info.status == "FAILED"
     child = client.get_run(ok)
@@ -149,6 +150,16 @@ def test_curves_are_logged_once_per_chip_count(store):
     assert [(m.step, m.value) for m in client.get_metric_history(second, "tflops_per_chip")] == [
         (1, 0.6), (2, 0.55), (4, 0.5)]
 
+
+
+def test_existing_experiments_become_model_training_unless_the_user_chose(store):
+    client = MlflowClient(store)
+    bare = client.create_experiment("made-elsewhere")
+    chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    assert tracking.get_or_create_experiment(client, store, "made-elsewhere") == bare
+    assert tracking.get_or_create_experiment(client, store, "chosen") == chosen
+    assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
 
 # -- result rows, parquet and figures ----------------------------------------------------------------
 
