@@ -520,11 +520,13 @@ def _log_curve_runs(tracker, rows: list[dict[str, Any]]) -> None:
         shared = {k: mine[0].get(k) for k in ("model", "image_size", "batch_per_chip", "precision",
                                               "accelerator") if mine[0].get(k) is not None}
         tracker.log_curve_run(series, curves, {"strategy": series, **shared})
+    if ok:
+        tracker.save_curve_view(CURVE_KEYS)  # the UI's chart of them all against chips
 
 
 def print_summary(report: SweepReport, out: Callable[[str], None] = print) -> None:
     """The results table, the failures, and how to browse the runs."""
-    from rayvit.tracking import ui_command
+    from rayvit.tracking import curve_view_link, ui_command
 
     out("")
     out(format_table(report.rows, report.mode))
@@ -540,6 +542,9 @@ def print_summary(report: SweepReport, out: Callable[[str], None] = print) -> No
         out(f"rerun the failed points with: --name {report.name}")
     out("browse the curves with:")
     out(f"  {ui_command(report.tracking_uri)}")
+    link = report.mode == "scaling" and curve_view_link(report.tracking_uri, report.experiment, report.name)
+    if link:
+        out(f"  then open {link}  (or the link atop the experiment's page)")
 
 
 def eprint(message: str) -> None:

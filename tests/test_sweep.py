@@ -207,7 +207,9 @@ def test_default_sweep_store(default_sweep, tmp_path):
     speedups = {m.step: m.value for m in client.get_metric_history(pid, "speedup_vs_ddp/ddp")}
     assert speedups == {1: 1.0, 2: 1.0}
     assert len(client.get_metric_history(pid, "speedup_vs_ddp/fsdp")) == 2
-    assert {c.data.tags["series"] for c in _children(client, pid, "curve")} == {"ddp", "fsdp", "fairscale_oss"}
+    # Curve runs: top-level runs tied to the sweep by tags (so the UI charts them side by side).
+    curve_runs = client.search_runs([parent.info.experiment_id], f"tags.`rayvit.sweep_run` = '{pid}'")
+    assert {c.data.tags["series"] for c in curve_runs} == {"ddp", "fsdp", "fairscale_oss"}
 
     names = {f.path for f in client.list_artifacts(pid)}
     assert {"config.yaml", "results.parquet", "scaling.png"} <= names
