@@ -6,6 +6,7 @@ user would) with few steps, then read the sqlite store the runs went to.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
+import browser
 from rayvit.config import ConfigError, load_study
 from rayvit.studies.plan import plan
 
@@ -218,7 +220,9 @@ def test_default_sweep_store(default_sweep, tmp_path):
     speedups = {m.step: m.value for m in client.get_metric_history(pid, "speedup_vs_ddp/ddp")}
     assert speedups == {1: 1.0, 2: 1.0}
     assert len(client.get_metric_history(pid, "speedup_vs_ddp/fsdp")) == 2
-    assert {c.data.tags["series"] for c in _children(client, pid, "curve")} == {"ddp", "fsdp", "fairscale_oss"}
+    # Curve runs: top-level runs tied to the sweep by tags (so the UI charts them side by side).
+    curve_runs = client.search_runs([parent.info.experiment_id], f"tags.`rayvit.sweep_run` = '{pid}'")
+    assert {c.data.tags["series"] for c in curve_runs} == {"ddp", "fsdp", "fairscale_oss"}
 
     names = {f.path for f in client.list_artifacts(pid)}
     assert {"config.yaml", "results.parquet", "scaling.png"} <= names
@@ -235,6 +239,48 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert r["gpu_utilization_pct"] is None and r["memory_measure"] == "process_rss"
     png = Path(client.download_artifacts(pid, "scaling.png", str(tmp_path)))
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_the_mlflow_ui_shows_every_strategy_against_chips_within_two_clicks(default_sweep, store, tmp_path):
+    """The default sweep's store, served by ``mlflow server``, opened in headless Chromium: from the
+    experiment's page, one chart of per-chip TFLOPS with a curve per strategy and chips on the x-axis."""
+    reason = browser.missing()
+    if reason:
+        pytest.skip(reason)
+    proc, client = default_sweep
+    exp = client.get_experiment_by_name("cpu_default")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    # The job's summary says where the chart is, as well as how to start the UI.
+    assert f"#/experiments/{exp.experiment_id}/runs?" in proc.stdout
+    assert "viewStateShareKey=rayvit-default" in proc.stdout
+    pid = _parent(client, "cpu_default", "default").info.run_id
+    expected = {r.data.tags["series"]: {m.step: m.value for m in client.get_metric_history(r.info.run_id,
+                                                                                        "tflops_per_chip")}
+                for r in client.search_runs([exp.experiment_id], f"tags.`rayvit.sweep_run` = '{pid}'")}
+    assert sorted(expected) == ["ddp", "fairscale_oss", "fsdp"]
+
+    shot = tmp_path / "ddp-vs-fsdp.png"
+    with browser.mlflow_server(store[1]["MLFLOW_TRACKING_URI"], tmp_path) as url:
+        clicks, final_url, traces = browser.open_sweep_chart(url, exp.experiment_id, "default", tmp_path / "profile",
+                                                             shot, series=3, points=2)
+    print(f"\nscreenshot: {shot} ({clicks} click(s) from the experiment's page)")
+    assert "compareRunsMode=CHART" in final_url and "workflowType=machine_learning" in final_url
+    # One chart of per-chip TFLOPS holds a curve per strategy, and nothing else: not the sweep's run,
+    # not its points. (Plotly may hold a faded copy of a line under it: same name, no hover.)
+    tflops = [t for t in traces if t["metric"] == "tflops_per_chip" and t["visible"]]
+    assert len({t["chart"] for t in tflops}) == 1, json.dumps(tflops, indent=1)
+    curves = {t["name"]: t for t in tflops if t["hover"] != "skip"}
+    assert sorted(curves) == sorted(f"{s} · default" for s in expected), json.dumps(tflops, indent=1)
+    for strategy, figures in expected.items():
+        t = curves[f"{strategy} · default"]
+        assert t["x"] == [1, 2] and t["xTitle"] == "chips", t
+        assert t["y"] == pytest.approx([figures[1], figures[2]]), t
+    # Each strategy in a colour of its own (the PNG's).
+    assert len({t["colour"] for t in curves.values()}) == len(expected), curves
+    # The study's other curves come with it, against chips too.
+    assert {"speedup_vs_ddp", "images_per_sec_per_chip", "mfu"} <= {t["metric"] for t in traces}
+    assert {t["xTitle"] for t in traces if t["visible"]} == {"chips"}
 
 
 @pytest.mark.slow

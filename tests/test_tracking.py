@@ -118,6 +118,7 @@ def test_sweep_records_resume_and_failures(store, tmp_path, monkeypatch):
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("exp-a")
     assert Path(exp.artifact_location.removeprefix("file://")).is_relative_to(tmp_path / "store")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # model training, not GenAI
     assert not list(elsewhere.iterdir())
     assert client.get_run(parent).info.status == "FAILED"
     child = client.get_run(ok)
@@ -174,6 +175,65 @@ def test_curves_are_logged_once_per_chip_count(store):
     assert [r.info.run_id for r in live] == [second] and first != second
     assert [(m.step, m.value) for m in client.get_metric_history(second, "tflops_per_chip")] == [
         (1, 0.6), (2, 0.55), (4, 0.5)]
+    # Top-level runs (the UI folds children away, out of its charts), tied to the sweep by tags, with
+    # the x-axis of their charts: chips at step = chips.
+    run = client.get_run(second)
+    assert "mlflow.parentRunId" not in run.data.tags and run.data.tags["rayvit.sweep_run"] == parent
+    assert run.data.tags["rayvit.sweep"] == "s" and run.info.run_name == "fsdp · s"
+    assert [(m.step, m.value) for m in client.get_metric_history(second, "chips")] == [(1, 1), (2, 2), (4, 4)]
+
+
+def test_sweep_view_and_description_link_the_curves(store):
+    import json
+
+    t = tracking.SweepTracker(store, "exp-v", "sweep 1")
+    t.start(params={}, tags={}, config_yaml="")
+    t.log_curve_run("ddp", {"tflops_per_chip": {1: 0.5, 2: 0.4}}, {})
+    view_id = t.save_curve_view(["mfu", "tflops_per_chip"])
+    client = MlflowClient(store)
+    tags = client.get_experiment(t.experiment_id).tags
+    envelope = json.loads(tags["mlflow.sharedViewState." + view_id])
+    assert envelope["name"] == "sweep 1: per chip against chips" and view_id == "rayvit-sweep-1"
+    state = json.loads(envelope["state"])
+    # The view's filter finds exactly the sweep's curve runs ...
+    found = client.search_runs([t.experiment_id], state["searchFilter"])
+    assert [r.data.tags["series"] for r in found] == ["ddp"]
+    # ... and charts each key against the chips metric, TFLOPS first.
+    charts = [c for c in state["compareRunCharts"] if not c["deleted"]]
+    assert [c["metricKey"] for c in charts] == ["tflops_per_chip", "mfu"]
+    assert {(c["type"], c["xAxisKey"], c["selectedXAxisMetricKey"]) for c in charts} == {("LINE", "metric", "chips")}
+    # The experiment's description links the newest sweep's view first (its first line is what shows).
+    first_line = tags["mlflow.note.content"].splitlines()[0]
+    assert f"#/experiments/{t.experiment_id}/runs?workflowType=machine_learning&compareRunsMode=CHART" \
+           f"&viewStateShareKey={view_id}" in first_line and "sweep 1" in first_line
+
+    # A second sweep comes first; the first stays linked below it. Saving again keeps a view's age.
+    t2 = tracking.SweepTracker(store, "exp-v", "sweep-2")
+    t2.start(params={}, tags={}, config_yaml="")
+    other = t2.save_curve_view(["tflops_per_chip"])
+    assert t.save_curve_view(["tflops_per_chip"]) == view_id
+    note = client.get_experiment(t.experiment_id).tags["mlflow.note.content"]
+    assert f"viewStateShareKey={other}" in note.splitlines()[0] and f"viewStateShareKey={view_id}" in note
+    assert tracking.curve_view_link(store, "exp-v", "sweep-2") == (
+        f"http://127.0.0.1:5000/#/experiments/{t.experiment_id}/runs?workflowType=machine_learning"
+        f"&compareRunsMode=CHART&viewStateShareKey={other}")
+    assert tracking.curve_view_link(store, "exp-v", "no such sweep") is None
+
+    # A description the user wrote is theirs: left alone. Views are still saved.
+    client.set_experiment_tag(t.experiment_id, "mlflow.note.content", "my notes")
+    t2.save_curve_view(["mfu"])
+    tags = client.get_experiment(t.experiment_id).tags
+    assert tags["mlflow.note.content"] == "my notes" and "mfu" in tags["mlflow.sharedViewState." + other]
+
+
+def test_existing_experiments_become_model_training_unless_the_user_chose(store):
+    client = MlflowClient(store)
+    bare = client.create_experiment("made-elsewhere")
+    chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    assert tracking.get_or_create_experiment(client, store, "made-elsewhere") == bare
+    assert tracking.get_or_create_experiment(client, store, "chosen") == chosen
+    assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
 
 
 # -- result rows, parquet and figures ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayvit.config import Study
-from rayvit.record import plots
+from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, number, times, write_parquet
 from rayvit.results import METRIC_KEYS
 from rayvit.studies.plan import Point, plan
@@ -260,6 +260,8 @@ def _log_curve_runs(run: StudyRun, rows: list[dict[str, Any]]) -> None:
         shared = {k: mine[0].get(k) for k in ("model", "image_size", "batch_per_chip", "precision",
                                               "accelerator") if mine[0].get(k) is not None}
         run.tracker.log_curve_run(series, curves, {"strategy": series, **shared})
+    if ok:
+        run.tracker.save_curve_view(CURVE_KEYS)  # the UI's chart of them all against chips
 
 
 def print_summary(report: Report, out: Callable[[str], None] = print) -> None:
@@ -273,4 +275,7 @@ def print_summary(report: Report, out: Callable[[str], None] = print) -> None:
     if report.failed:
         out(f"rerun the failed points with: --name {report.name}")
     print_where(report, out)
+    link = report.kind == "scaling" and tracking.curve_view_link(report.tracking_uri, report.experiment, report.name)
+    if link:
+        out(f"  then open {link}  (or the link atop the experiment's page)")
 
