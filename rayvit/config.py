@@ -32,6 +32,15 @@ class ConfigError(ValueError):
     """A config key, value or combination of values that rayvit cannot run."""
 
 
+def reduces_in_half(cfg: "Config") -> bool:
+    """Whether ``cfg``'s half-precision gradients are reduced in half (``parallel.reduce_dtype`` resolved)."""
+    return _half_reduce(cfg.parallel, cfg.precision)
+
+
+def _half_reduce(p: "ParallelConfig", prec: "PrecisionConfig") -> bool:
+    return p.reduce_dtype == "half" or (p.reduce_dtype == "auto" and prec.mode == "pure")
+
+
 def rayvit_home() -> Path:
     """Where rayvit keeps local results (the MLflow store, Ray Train's runs): ``$RAYVIT_HOME``, else ~/.rayvit."""
     return Path(os.environ.get("RAYVIT_HOME") or Path.home() / ".rayvit").expanduser().resolve()
@@ -113,8 +122,10 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     # The dtype half-precision gradients (``mixed``, ``pure``) are reduced in, by every strategy (DDP through
     # a communication hook). fp32 gradients (``fp32``, ``amp``, LayerNorm kept in fp32) always go in fp32.
-    # Each run records the dtype used as its ``reduce_dtype`` condition.
-    reduce_dtype: Literal["fp32", "half"] = "fp32"
+    # auto: fp32 under ``mixed`` (the study's AMP O2), half under ``pure`` (its "full FP16": everything
+    # half, and the only dtype FairScale's strategies can reduce half parameters' gradients in). Each run
+    # records the dtype used as its ``reduce_dtype`` condition.
+    reduce_dtype: Literal["auto", "fp32", "half"] = "auto"
 
 
 @dataclass
@@ -493,7 +504,7 @@ def _validate_strategy_precision(p: ParallelConfig, prec: PrecisionConfig) -> No
             "precision.mode=pure precision.dtype=bf16 cannot run with parallel.strategy=fairscale_fsdp: "
             "FairScale 0.4.13's FSDP accepts half parameters only as fp16 (pure bf16 does not exist in that "
             "version); use precision.dtype=fp16, or parallel.strategy=fsdp (PyTorch FSDP2) for pure bf16")
-    if prec.mode == "pure" and p.reduce_dtype == "fp32" and p.strategy in ("fairscale_fsdp", "fairscale_oss"):
+    if prec.mode == "pure" and not _half_reduce(p, prec) and p.strategy in ("fairscale_fsdp", "fairscale_oss"):
         why = ("FairScale FSDP reduces in fp32 only with mixed_precision (fp32_reduce_scatter)"
                if p.strategy == "fairscale_fsdp" else
                "ShardedDDP reduces every gradient in its parameter's dtype")

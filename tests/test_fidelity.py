@@ -231,3 +231,17 @@ def _unwrapped_paths(wrapped: nn.Module) -> dict[int, str]:
     levels = ("_fsdp_wrapped_module", "_fpw_module")
     return {id(m): ".".join(part for part in path.split(".") if part not in levels)
             for path, m in wrapped.named_modules()}
+
+
+def test_auto_reduce_dtype_is_fp32_under_mixed_and_half_under_pure():
+    """The default (auto) lets every strategy run every level it can, like for like within a sweep: a pure
+    config (a search's winner, say) sweeps ddp, fsdp and fairscale_oss, all reducing in half."""
+    from rayvit.config import load_study, reduces_in_half
+    from rayvit.studies.plan import plan
+
+    assert load_config().parallel.reduce_dtype == "auto"
+    assert not reduces_in_half(load_config(overrides=["precision.mode=mixed"]))
+    assert reduces_in_half(load_config(overrides=["precision.mode=pure"]))
+    points = plan(load_study(CONFIGS / "cpu_default.yaml", ["precision.mode=pure"]))
+    assert {p.cfg.parallel.strategy for p in points} == {"ddp", "fsdp", "fairscale_oss"}
+    assert all(reduces_in_half(p.cfg) for p in points)

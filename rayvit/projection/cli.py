@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from rayvit.config import Config, ConfigError, Study
+from rayvit.config import Config, ConfigError, Study, reduces_in_half
 from rayvit.projection import report
 from rayvit.projection.performance import Projection, compute_from_peak, project_grid
 from rayvit.projection.profiles import get_profile
@@ -47,7 +47,7 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         points = project_grid(cfg, chips, variants(cfg, study.sweep.strategies), profile, rate)
         m, p = cfg.model, cfg.precision
         out(f"\nprojection: {m.name} {m.image_size}px, batch {cfg.train.batch_size}/chip, "
-            f"{p.mode}{'' if p.mode == 'fp32' else '/' + p.dtype}, reduce {cfg.parallel.reduce_dtype}, "
+            f"{p.mode}{'' if p.mode == 'fp32' else '/' + p.dtype}, reduce {'half' if reduces_in_half(cfg) else 'fp32'}, "
             f"{cfg.optim.name}-{cfg.optim.impl} on {profile.name} ({profile.source})")
         out(f"compute: {rate.source}; overlap {profile.overlap:g}; links: intra-node busbw "
             f"{profile.intra.busbw / 1e9:.0f} GB/s, {profile.chips_per_node} chips/node, inter-node busbw "

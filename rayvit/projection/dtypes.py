@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayvit.config import Config
+from rayvit.config import Config, reduces_in_half
 
 SHARDED = ("fsdp", "fairscale_fsdp")
 HALF, FULL = 2, 4
@@ -34,7 +34,7 @@ class Dtypes:
     def of(cls, cfg: Config, layer_norm_fp32: bool | None = None) -> "Dtypes":
         ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
         return cls(cfg.precision.mode, cfg.parallel.strategy, bool(ln) and cfg.precision.mode == "mixed",
-                   cfg.parallel.reduce_dtype == "half")
+                   reduces_in_half(cfg))
 
     @property
     def sharded(self) -> bool:

@@ -17,6 +17,8 @@ from rayvit.worker import checkpoint
 from rayvit.worker.optim import build_optimizer, param_groups, weight_decay_plan
 from rayvit.worker.precision import MasterWeights, Precision
 
+from rayvit.config import reduces_in_half
+
 if TYPE_CHECKING:
     from rayvit.config import Config
 
@@ -88,7 +90,7 @@ class Strategy:
         It governs half-precision gradients (``mixed``, ``pure``); fp32 gradients (``fp32``, ``amp``, and
         LayerNorm kept in fp32) are reduced in fp32 by every strategy.
         """
-        if self.precision.mode in ("fp32", "amp") or self.cfg.parallel.reduce_dtype == "fp32":
+        if self.precision.mode in ("fp32", "amp") or not reduces_in_half(self.cfg):
             return torch.float32
         return self.precision.half
 
