@@ -152,7 +152,7 @@ def _guarded(run: Callable[[], int], interrupted: str) -> int:
     """Start-up errors (exit 2) and Ctrl-C (exit 130) said in one line each, as a CLI should."""
     from rayvit.config import ConfigError
     from rayvit.launch.connect import ConnectError
-    from rayvit.launch.trainer import ClusterTooSmall
+    from rayvit.launch.capacity import ClusterTooSmall
     from rayvit.record.tracking import TrackingError
     from rayvit.studies.search import BaselineFailed
 

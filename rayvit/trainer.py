@@ -7,10 +7,10 @@
 - ``fit(cfg) -> RunResult``: run it and return the typed summary; raises ``TrainingError`` on failure.
 """
 
-from rayvit.launch.capacity import ScaleUpTimeout
+from rayvit.launch.capacity import ClusterTooSmall, ScaleUpTimeout
 from rayvit.launch.connect import ConnectError, ensure_ray
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
-from rayvit.launch.trainer import ClusterTooSmall, TrainingError, build_trainer, check_cluster_fits, fit, train_loop_per_worker
+from rayvit.launch.trainer import TrainingError, build_trainer, check_cluster_fits, fit, train_loop_per_worker
 
 __all__ = ["ClusterTooSmall", "ConnectError", "ScaleUpTimeout", "StorageError", "TrainingError", "build_trainer", "check_cluster_fits",
            "check_storage", "default_storage_path", "ensure_ray", "fit", "storage_path", "train_loop_per_worker"]

@@ -1,4 +1,9 @@
-"""Shared test setup.
+"""Shared test setup: three tiers, by folder.
+
+- ``tests/unit``: no Ray and no extra processes; ``pytest -m "not slow"`` runs these alone, in under a minute.
+- ``tests/ray``: real Ray instances and clusters (``ray start``, the fake autoscaler, ``ray job submit``),
+  multi-process gloo groups, an MLflow server, a browser. Marked ``slow`` here, by folder.
+- ``tests/gpu``: what only a GPU can tell (the GPU check's cases); marked ``gpu`` and skipped without CUDA.
 
 rayvit itself chooses Ray's authentication mode when it reaches Ray (``rayvit.launch.connect``): token
 mode for a local instance, the cluster's own mode when attaching. Several tests call ``ray.init()``
@@ -9,5 +14,16 @@ mode, quietly. Subprocesses that stand for users or cluster nodes get a clean en
 """
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+TIER_MARKS = {"ray": ("slow",), "gpu": ("gpu",)}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in TIER_MARKS.get(Path(str(item.fspath)).parent.name, ()):
+            item.add_marker(getattr(pytest.mark, mark))

@@ -30,7 +30,6 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict
 from rayvit.launch import capacity
-from rayvit.launch.capacity import ClusterTooSmall
 from rayvit.launch.connect import ensure_ray
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import worker_bundle

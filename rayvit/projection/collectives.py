@@ -86,7 +86,6 @@ def _in_step(op, device, repeats: int, segment_s: float) -> float:
     costs = []
     dist.barrier()
     for _ in range(repeats):
-        start = time.perf_counter()
         _busy(segment_s, device)
         mid = time.perf_counter()
         op()

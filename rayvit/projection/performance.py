@@ -3,7 +3,7 @@
     step = slowdown(N) x (forward + backward) + exposed communication + optimizer step
 
 - forward + backward (``compute``): a measured single-chip rate for this model, batch and precision
-  (:class:`ComputeRate`, from a 1-chip point, a ``rayvit.bench`` JSON or a ``gpu_check`` JSON), less the
+  (:class:`ComputeRate`, from a 1-chip point, a ``rayvit bench --json`` file or a ``gpu_check`` JSON), less the
   modelled optimizer step inside that measurement; otherwise ``train FLOPs / (peak x compute_efficiency)``.
   Split 1:2 between forward and backward (backward does twice the matmul work). ``slowdown`` is the
   profile's measured cost of every chip of a node computing at once (1.0 on GPUs).

@@ -1,4 +1,4 @@
-"""Measured single-chip rates from what rayvit writes: a run's result, a ``rayvit.bench`` JSON, a ``gpu_check`` JSON.
+"""Measured single-chip rates from what rayvit writes: a run's result, a ``rayvit bench --json`` file, a ``gpu_check`` JSON.
 
 Each becomes a :class:`~rayvit.projection.performance.ComputeRate` (forward + backward seconds per
 image on one chip) for the projection; the measured step's modelled optimizer time is taken out.

@@ -48,9 +48,9 @@ def memory_table(points: Iterable[Projection]) -> str:
 
 
 def _colour(label: str) -> Optional[str]:
-    from rayvit.record.plots import _STRATEGY_COLOURS
+    from rayvit.record.plots import STRATEGY_COLOURS
 
-    return _STRATEGY_COLOURS.get(label.split(" ")[0])
+    return STRATEGY_COLOURS.get(label.split(" ")[0])
 
 
 def _series(points: Iterable[Projection]) -> dict[str, list[Projection]]:

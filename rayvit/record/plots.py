@@ -27,7 +27,7 @@ _CAPTION = (
     ("torch_version", "torch {}"), ("ray_version", "ray {}"), ("fairscale_version", "fairscale {}"),
 )
 # A stable colour per strategy across figures; DDP, the baseline, is always grey-black.
-_STRATEGY_COLOURS = {"ddp": "#333333", "fsdp": "#1f77b4", "fairscale_oss": "#ff7f0e",
+STRATEGY_COLOURS = {"ddp": "#333333", "fsdp": "#1f77b4", "fairscale_oss": "#ff7f0e",
                      "fairscale_fsdp": "#2ca02c"}
 
 
@@ -91,7 +91,7 @@ def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional
     for strategy in _series_order(rows):
         points = sorted((int(r["world_size"]), r) for r in rows if r["series"] == strategy)
         xs = [n for n, _ in points]
-        colour = _STRATEGY_COLOURS.get(strategy)
+        colour = STRATEGY_COLOURS.get(strategy)
         top.plot(xs, [r["tflops_per_chip"] for _, r in points], marker="o", label=strategy, color=colour)
         speedups = [(n, _finite(r.get("speedup_vs_ddp"))) for n, r in points]
         speedups = [(n, s) for n, s in speedups if s is not None]

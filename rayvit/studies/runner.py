@@ -17,7 +17,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from rayvit.config import Config, Study
+from rayvit.config import Study
 from rayvit.record import tracking
 from rayvit.record.tables import fmt
 from rayvit.results import RunResult

@@ -39,7 +39,7 @@ from rayvit.record.tables import Column, cell, fmt, format_table, times, write_p
 from rayvit.results import RunResult
 from rayvit.studies.judge import (Verdict, accuracy_excess, best_outcome, is_divergence, judge, last_line,
                                   objective_value, speedup)
-from rayvit.studies.plan import Point, SearchPlan, plan_search, setting_label
+from rayvit.studies.plan import SearchPlan, plan_search, setting_label
 from rayvit.studies.runner import Outcome, Report, StudyRun, attach_ray, print_where
 
 # What a trial's final tune.report carries besides the figures.

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     m, t = cfg.model, cfg.train
-    print(f"rayvit.bench: {m.name} {m.image_size}px batch {t.batch_size}, {cfg.precision.mode}/"
+    print(f"rayvit bench: {m.name} {m.image_size}px batch {t.batch_size}, {cfg.precision.mode}/"
           f"{cfg.precision.dtype}, {cfg.optim.name}-{cfg.optim.impl}, {cfg.parallel.cpus_per_worker} "
           f"thread(s), torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps after "
           f"{args.warmup} warm-up", file=sys.stderr)

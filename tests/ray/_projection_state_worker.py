@@ -1,6 +1,6 @@
 """One rank of the world-size-2 model-state check in tests/test_projection.py (run as a subprocess).
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/_projection_state_worker.py
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/ray/_projection_state_worker.py
 
 Trains each strategy x precision for two steps on a gloo process group and prints rank 0's
 ``model_state_bytes_per_rank`` (the max over ranks) per combination as JSON. ``small_bucket`` runs
@@ -8,11 +8,10 @@ fairscale_oss with a 5,000-element ShardedDDP bucket, so some gradients fall out
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

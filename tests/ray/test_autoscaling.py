@@ -33,7 +33,7 @@ from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MAX_WORKER_NODES = 2
 

@@ -50,7 +50,7 @@ from clusters import Cluster, clean_env, kill_group
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAD_LABEL, WORKER_LABEL = "rayvit_head", "rayvit_worker"
 
 # A tiny ViT for 2 x 40 steps: long enough to lose a node between checkpoints (every 5 steps, each

@@ -23,7 +23,7 @@ from ray.runtime_env import RuntimeEnv
 from rayvit.config import load_config, load_study
 from rayvit.launch import capacity
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"
 LAUNCHER = CLUSTER / "aws-p4d.yaml"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"

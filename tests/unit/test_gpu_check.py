@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu_check.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

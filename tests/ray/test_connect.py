@@ -9,7 +9,6 @@ test_scaling_job.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from rayvit.config import ConfigError, from_dict
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
 from clusters import clean_env, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _scaling(tmp_path: Path, args: list[str], **env: str) -> subprocess.Popen:

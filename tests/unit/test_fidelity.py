@@ -19,7 +19,7 @@ from rayvit.worker.optim import build_optimizer, param_groups
 from rayvit.worker.precision import Precision
 from rayvit.worker.strategies import Strategy, ensure_process_group, strategy_class
 
-CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
 CPU = torch.device("cpu")
 
 
