@@ -180,20 +180,27 @@ def test_parquet_batches_are_normalised_and_resized(digits_parquet, tmp_path):
     assert sum(len(y) for _, y in data.val_batches()) == 297
 
 
-def test_to_parquet_cli_errors_and_help(tmp_path):
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "rayvit.data.to_parquet", *args],
-                              capture_output=True, text=True, cwd=REPO)
+def test_to_parquet_cli_errors_and_help(tmp_path, capsys):
+    from rayvit.cli import main
 
-    assert "one subfolder per class" in cli("--help").stdout
-    missing = cli(str(tmp_path / "nope"), str(tmp_path / "out"))
-    assert missing.returncode == 2 and "is not a folder" in missing.stderr
+    # The installed command, once, as a user types it; the error cases in this process (each a process
+    # of its own would spend seconds importing torch).
+    help_text = subprocess.run([sys.executable, "-m", "rayvit", "to-parquet", "--help"], capture_output=True,
+                               text=True, cwd=REPO).stdout
+    assert "one subfolder per class" in help_text
+
+    def cli(*args):
+        code = main(["to-parquet", *args])
+        return code, capsys.readouterr().err
+
+    code, err = cli(str(tmp_path / "nope"), str(tmp_path / "out"))
+    assert code == 2 and "is not a folder" in err
     (tmp_path / "empty").mkdir()
-    empty = cli(str(tmp_path / "empty"), str(tmp_path / "out"))
-    assert empty.returncode == 2 and "no class subfolders" in empty.stderr
+    code, err = cli(str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert code == 2 and "no class subfolders" in err
     (tmp_path / "empty" / "cat").mkdir()
-    no_images = cli(str(tmp_path / "empty"), str(tmp_path / "out"))
-    assert no_images.returncode == 2 and "no image files" in no_images.stderr
+    code, err = cli(str(tmp_path / "empty"), str(tmp_path / "out"))
+    assert code == 2 and "no image files" in err
 
 
 def test_importing_rayvit_data_does_not_import_ray():

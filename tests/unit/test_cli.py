@@ -1,0 +1,38 @@
+"""The ``rayvit`` command: every entry point behind one name, each explaining itself."""
+
+import subprocess
+import sys
+
+import pytest
+
+from rayvit.cli import COMMANDS, main
+
+
+def test_rayvit_lists_its_commands_and_refuses_unknown_ones(capsys):
+    assert main([]) == 2
+    listing = capsys.readouterr().out
+    for name in ("sweep", "project", "search", "bench", "gpu-check", "to-parquet"):
+        assert name in COMMANDS and name in listing
+    assert main(["--help"]) == 0
+    assert main(["swep"]) == 2 and "unknown command 'swep'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, words", [
+    ("sweep", ["--dry-run", "--project", "--verbose", "RAY_AUTH_TOKEN", "resumes"]),
+    ("search", ["search.max_accuracy_drop", "--output", "--verbose"]),
+    ("bench", ["--compare"]),
+    ("gpu-check", ["--quick", "--list"]),
+])
+def test_every_command_explains_itself(command, words, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: rayvit {command}")
+    for word in words:
+        assert word in text
+
+
+def test_the_installed_module_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "rayvit", "project", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--hardware" in proc.stdout
