@@ -2,12 +2,14 @@
 
 ``rayvit.studies.sweep.run_sweep`` calls three functions for scaling sweeps, each a line there:
 
-- :func:`measure` before the points run: the collective microbenchmark on the cluster the sweep got,
-  at its largest worker count (``rayvit.projection.collectives``); None (with a printed reason) when it
-  cannot run, and the sweep goes on.
-- :func:`judge` after each point: the point's projection from the sweep's own single-chip (or smallest
-  count) DDP measurement plus the measured links, logged on the point's child run as ``projected_*``
-  metrics, and a warning when the measured per-chip rate falls more than 25% short of it.
+- :func:`measure` once the cluster holds the sweep's largest worker count still to run (just after the
+  first point at that count finished): the collective microbenchmark at that count (``rayvit.projection.collectives``). Measured then, it needs no nodes the points do not need
+  anyway: on an autoscaling cluster it never grows the cluster ahead of the points. None (with a printed
+  reason) when it cannot run, and the sweep goes on.
+- :func:`judge` for each point once the links are known (the points before that are judged together):
+  the point's projection from the sweep's own single-chip (or smallest count) DDP measurement plus the
+  measured links, logged on the point's child run as ``projected_*`` metrics, and a warning when the
+  measured per-chip rate falls more than 25% short of it.
 - :func:`artifacts` at the end: ``links.json`` and ``projection.png`` (measured points over projected
   lines) for the parent run.
 """
@@ -26,18 +28,22 @@ from rayvit.projection.profiles import HardwareProfile, cpu_profile, profile_for
 SHORTFALL = 0.25      # warn when measured < (1 - SHORTFALL) x projected
 
 
-def measure(cfg, points, address: Optional[str], out: Callable[[str], None] = print) -> Optional[dict]:
-    """Links measured on the largest worker count the sweep still has to run (needs at least 2)."""
-    counts = [p.world_size for p in points if p.world_size > 1]
-    if not counts:
-        return None
+def links_count(points) -> Optional[int]:
+    """The worker count the links are measured at: the largest to run, if at least 2 (else none)."""
+    return max((p.world_size for p in points if p.world_size > 1), default=None)
+
+
+def measure(cfg, num_workers: int, address: Optional[str], out: Callable[[str], None] = print
+            ) -> Optional[dict]:
+    """Links measured on ``num_workers`` Ray Train workers, placed as the sweep's points are."""
+    from rayvit.launch.storage import storage_path
     from rayvit.projection.collectives import describe, measure_links
 
     p = cfg.parallel
     try:
-        links = measure_links(max(counts), use_gpu=p.use_gpu, cpus_per_worker=p.cpus_per_worker,
+        links = measure_links(num_workers, use_gpu=p.use_gpu, cpus_per_worker=p.cpus_per_worker,
                               model=cfg.to_dict(), batch=cfg.train.batch_size, address=address,
-                              placement_strategy=p.placement_strategy)
+                              placement_strategy=p.placement_strategy, storage=storage_path(cfg))
     except Exception:  # noqa: BLE001 - the sweep's measurements matter more than its projection
         out("projection: the collective microbenchmark failed; projecting with the hardware profile's "
             "links instead:\n" + traceback.format_exc(limit=2))

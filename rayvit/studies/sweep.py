@@ -43,7 +43,6 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     """
     from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
-    from rayvit.projection import insweep as projection
     from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits, fit
 
@@ -57,15 +56,13 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     run = StudyRun(study, name, experiment, kind=mode)
     # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
     todo = [p for p in points if run.reusable(p) is None]
-    verdicts, links = [], None
+    verdicts = []
     if todo:
         attach_ray(address, name, ray_log, out)
         # Points beyond the autoscaler's maximum (or a fixed cluster's size) are refused here, for the
         # whole plan; points the autoscaler can grow into wait for it just before they run.
         verdicts = check_cluster_fits([p.cfg for p in todo])
         check_storage([p.cfg for p in todo])
-        if mode == "scaling":
-            links = projection.measure(study.run, todo, address, out)
 
     parent = run.start(_sweep_tags(study, points))
     out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "
@@ -78,10 +75,12 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
 
     progress = Progress(len(points), out)
     outcomes: list[Outcome] = []
+    links = _Links(study, todo, address, out)
     try:
         for i, point in enumerate(points):
             outcome = run.reusable(point)
-            if outcome is None:
+            ran = outcome is None
+            if ran:
                 if run.changed_since(point):
                     out(f"{progress.tag(point)} {point.key}: its settings changed since run "
                         f"{run.changed_since(point)}; running it again")
@@ -89,13 +88,49 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
                 outcome = run.run_point(point, capacity.waiting(fit, out), _point_tags(point, mode), progress)
             outcomes.append(outcome)
             progress.end(outcome)
-            if mode == "scaling":
-                projection.judge(run.tracker, outcomes, links, out)
+            links.after(run, outcomes, ran)
             _log_curves(run, rows_of(outcomes, mode), mode)
+        links.after(run, outcomes, ran=False, last=True)
     except KeyboardInterrupt:
         run.interrupted(points[len(outcomes)].key if len(outcomes) < len(points) else "end")
         raise
-    return _finish(run, study, points, outcomes, links)
+    return _finish(run, study, points, outcomes, links.measured)
+
+
+class _Links:
+    """The sweep's measured links and the points' projections against them (scaling sweeps only).
+
+    The collective microbenchmark runs once the cluster holds the largest worker count still to run: just
+    after the first point at that count finishes (not at all if none does). Run earlier, it
+    would make an autoscaling cluster grow to its largest size before the first point. Points are
+    judged once the links are known, those before it together.
+    """
+
+    def __init__(self, study: Study, todo: list[Point], address: Optional[str], out: Callable[[str], None]):
+        from rayvit.projection import insweep
+
+        self.insweep, self.study, self.address, self.out = insweep, study, address, out
+        self.scaling = study.sweep.mode == "scaling"
+        self.count = insweep.links_count(todo) if self.scaling else None
+        self.measured: Optional[dict] = None
+        self.pending = self.count is not None      # no microbenchmark below 2 workers, or if all reused
+        self.judged = 0
+
+    def after(self, run: StudyRun, outcomes: list[Outcome], ran: bool, last: bool = False) -> None:
+        if not self.scaling:
+            return
+        if self.pending and (last or (ran and outcomes[-1].ok and outcomes[-1].point.world_size == self.count)):
+            self.pending = False
+            if any(o.ok and o.point.world_size == self.count for o in outcomes):
+                self.measured = self.insweep.measure(self.study.run, self.count, self.address, self.out)
+            else:
+                self.out(f"projection: no point at {self.count} workers finished, so the links were not measured; "
+                         "projecting with the hardware profile's links")
+        if self.pending:
+            return
+        for k in range(self.judged, len(outcomes)):
+            self.insweep.judge(run.tracker, outcomes[:k + 1], self.measured, self.out)
+        self.judged = len(outcomes)
 
 
 def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Outcome],

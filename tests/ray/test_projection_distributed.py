@@ -70,7 +70,12 @@ def test_collective_microbenchmark_on_two_ray_workers(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYVIT_HOME", str(tmp_path))
     from rayvit.projection.collectives import KINDS, measure_links
 
-    links = measure_links(2, model=load_config(DEFAULT).to_dict(), batch=4, repeats=3)
+    import ray
+
+    try:
+        links = measure_links(2, model=load_config(DEFAULT).to_dict(), batch=4, repeats=3)
+    finally:
+        ray.shutdown()        # it started a local instance in this process: later modules start their own
     assert links["backend"] == "gloo" and links["world_size"] == 2 and links["nodes"] == 1
     assert set(links["collectives"]) == set(KINDS)
     for c in links["collectives"].values():

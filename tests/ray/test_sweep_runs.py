@@ -82,6 +82,11 @@ def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store
     assert "peak MB/rank on CPU: the worker process's peak resident set" in out
     assert "6 points ran, 0 reused, 0 failed" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{store[0]}/mlflow.db" in out
+    # The collective microbenchmark runs once the cluster holds 2 workers: after the first 2-worker point
+    # (so an autoscaling cluster never grows ahead of the points), before the next one starts.
+    bench = out.index("collectives over 2 gloo ranks")
+    first_w2 = re.search(r"^\[\d/6\] \w+/w2 done in", out, re.M).start()
+    assert first_w2 < bench < out.index("@ 2 workers", out.index("@ 2 workers", 0) + 1)
 
 
 @pytest.mark.slow
@@ -109,6 +114,10 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert sorted(m.step for m in by_rank) == list(range(n))
         assert child.data.metrics["peak_memory_bytes_per_rank"] == max(m.value for m in by_rank)
         assert not [k for k in child.data.metrics if k.startswith("gpu_")]
+        # Its projection beside it, from the sweep's own DDP 1-worker rate and the measured gloo links.
+        assert child.data.metrics["projected_images_per_sec_per_chip"] > 0
+        assert child.data.metrics["projected_model_state_bytes_per_rank"] == child.data.metrics[
+            "model_state_bytes_per_rank"]
     # Curves on the parent: one history per strategy, step = number of chips.
     pid = parent.info.run_id
     for strategy in ("ddp", "fsdp", "fairscale_oss"):
@@ -122,7 +131,9 @@ def test_default_sweep_store(default_sweep, tmp_path):
     assert {c.data.tags["series"] for c in curve_runs} == {"ddp", "fsdp", "fairscale_oss"}
 
     names = {f.path for f in client.list_artifacts(pid)}
-    assert {"config.yaml", "results.parquet", "scaling.png"} <= names
+    assert {"config.yaml", "results.parquet", "scaling.png", "links.json", "projection.png"} <= names
+    links = json.loads(Path(client.download_artifacts(pid, "links.json", str(tmp_path))).read_text())
+    assert links["backend"] == "gloo" and links["world_size"] == 2
     table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
     assert table.num_rows == 6
     rows = table.to_pylist()
