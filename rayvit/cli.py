@@ -77,6 +77,24 @@ model.classifier, model.layout, parallel.strategy (the budget: train.steps, batc
 {TRACKING_HELP}."""
 
 
+PROJECT_DESCRIPTION = """Project a sweep's per-chip throughput and memory onto chips you have not rented; nothing runs.
+
+For each chip count and strategy of the config's sweep (ddp, fsdp with and without reshard_after_forward,
+fairscale_oss, fairscale_fsdp, as the config allows) it prints step time, images/s and TFLOPS per chip,
+MFU, the ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer),
+memory per rank, whether the point fits the chip and the largest batch that fits; then a memory breakdown
+and a PNG of projected TFLOPS per chip against chips. Compute comes from --measured, else the chip's
+peak times a stated efficiency; links and memory from the hardware profile
+(rayvit/projection/profiles.py). Neither Ray nor torch.distributed is started. Same as
+`rayvit sweep --project`."""
+
+PROJECT_EXAMPLES = """examples:
+  %(prog)s --config experiments/configs/study_a100.yaml                 # 8-64 A100 40 GB (p4d)
+  %(prog)s --config experiments/configs/study_a100.yaml --hardware a100-80gb h100-sxm h200
+  %(prog)s --config experiments/configs/study_a100.yaml --measured results/gpu_check.json
+  %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)"""
+
+
 def _common(parser: argparse.ArgumentParser, default_config: Path, what: str) -> None:
     parser.add_argument("--config", default=str(default_config),
                         help=f"YAML config (default: experiments/configs/{default_config.name})")
@@ -103,22 +121,20 @@ def sweep_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _projection_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "projection (no Ray, nothing runs)",
-        "--project prints, per chip count and strategy (ddp, fsdp with and without reshard_after_forward, "
-        "fairscale_oss, fairscale_fsdp, as the config allows): step time, images/s and TFLOPS per chip, MFU, "
-        "ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer), "
-        "memory per rank, whether it fits the chip, and the largest batch that fits; then writes a PNG of "
-        "projected TFLOPS per chip against chips. Compute comes from --measured, else the chip's peak times a "
-        "stated efficiency; links and memory from the hardware profile (rayvit/projection/profiles.py).")
-    group.add_argument("--project", action="store_true", help="project the config's sweep instead of running it")
+def _projection_options(parser: argparse.ArgumentParser, standalone: bool = False) -> None:
+    group = parser.add_argument_group("projection" if standalone else "projection (no Ray, nothing runs)",
+                                      None if standalone else "--project: what `rayvit project` does (its "
+                                      "--help says more); the options below apply to it.")
+    if not standalone:
+        group.add_argument("--project", action="store_true",
+                           help="project the config's sweep instead of running it")
     group.add_argument("--hardware", nargs="+", default=None, metavar="PROFILE",
                        help="hardware profiles: a100-40gb, a100-80gb, h100-sxm, h200, cpu (default: a100-40gb "
                             "on GPU configs, cpu otherwise)")
     group.add_argument("--chips", type=int, nargs="+", help="chip counts (default: sweep.worker_counts)")
     group.add_argument("--measured", metavar="JSON",
-                       help="a single-chip rate: a point's result.json, `rayvit bench --json` output or "
+                       help="a single-chip rate: a point's result.json (an artifact of its MLflow run), "
+                            "`rayvit bench --json` output or "
                             "`rayvit gpu-check`'s JSON (needed for the cpu profile)")
     group.add_argument("--out-dir", default="results", help="where the PNG goes (default: results/)")
 
@@ -194,9 +210,21 @@ def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
     return _guarded(run, "the running point and the sweep are marked KILLED; rerun with the same --name to resume")
 
 
+def project_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=PROJECT_DESCRIPTION, epilog=PROJECT_EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(CONFIGS / "cpu_default.yaml"),
+                        help="YAML config whose sweep is projected (default: experiments/configs/cpu_default.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config value, e.g. --set model.image_size=256 (repeatable)")
+    _projection_options(parser, standalone=True)
+    return parser
+
+
 def project(argv: Sequence[str], prog: str = "rayvit project") -> int:
-    """``rayvit project`` = ``rayvit sweep --project``."""
-    return sweep(["--project", *argv], prog=prog)
+    """``rayvit project`` = ``rayvit sweep --project``, with a help of its own."""
+    args = project_parser(prog).parse_args(argv)
+    return _guarded(lambda: _project(args), "nothing was running")
 
 
 def search(argv: Sequence[str], prog: str = "rayvit search") -> int:

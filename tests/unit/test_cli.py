@@ -19,6 +19,7 @@ def test_rayvit_lists_its_commands_and_refuses_unknown_ones(capsys):
 
 @pytest.mark.parametrize("command, words", [
     ("sweep", ["--dry-run", "--project", "--verbose", "RAY_AUTH_TOKEN", "resumes"]),
+    ("project", ["--hardware", "--measured", "nothing runs", "rayvit sweep --project", "study_a100.yaml"]),
     ("search", ["search.max_accuracy_drop", "--output", "--verbose"]),
     ("bench", ["--compare"]),
     ("gpu-check", ["--quick", "--list"]),
@@ -36,3 +37,11 @@ def test_every_command_explains_itself(command, words, capsys):
 def test_the_installed_module_is_the_command():
     proc = subprocess.run([sys.executable, "-m", "rayvit", "project", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "--hardware" in proc.stdout
+
+
+def test_project_takes_only_what_a_projection_uses_and_says_what_is_wrong(capsys):
+    with pytest.raises(SystemExit):
+        main(["project", "--help"])
+    assert "--address" not in capsys.readouterr().out      # nothing runs, so no cluster to name
+    assert main(["project", "--set", "model.nmae=vit_b16"]) == 2
+    assert "model.nmae" in capsys.readouterr().err
