@@ -7,6 +7,7 @@ the Ray layer (``rayvit.launch``), which only adds reporting and checkpoint tran
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from typing import Any, Callable, Optional
@@ -295,9 +296,17 @@ class Session:
             next(self.data.train)
 
     def close(self) -> None:
+        """Stop the sampler; release the model; end the one-rank process group if this session made it.
+
+        The wrapped model (DDP's reducer, the sharded wrappers) holds the process group. Destroyed first
+        and collected later, gloo's destructor could wait forever on its own threads (seen in a test
+        run: ``~ProcessGroupGloo`` joining inside ``~Reducer``), so the model goes before the group.
+        """
         if self.sampler is not None:
             self.sampler.stop()
+        self.forward = self.model = self.optimizer = None
         if self.owns_process_group and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
 
 

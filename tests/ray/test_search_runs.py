@@ -78,60 +78,13 @@ def test_nan_loss_stops_the_trial_cleanly_and_reads_as_diverged(local_ray):
     assert not v.feasible and v.reason.startswith("diverged")
 
 
-def test_cli_search_end_to_end(local_ray, tmp_path):
-    sys.path.insert(0, str(REPO / "experiments"))
-    try:
-        import search as search_cli
-    finally:
-        sys.path.pop(0)
-    best_path = tmp_path / "best.yaml"
-    sets = [f"{k}={v}" for k, v in QUICK.items()] + [
-        "search.space={precision.mode: [amp, pure]}", "search.max_accuracy_drop=0.05"]
-    argv = ["--name", "e2e", "--output", str(best_path)] + [a for s in sets for a in ("--set", s)]
-    assert search_cli.main(argv) == 0    # in-process: uses this module's Ray instance
-
-    # MLflow: one parent run for the search, a child per trial and one for the baseline.
-    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
-    exp = client.get_experiment_by_name("rayvit-search")
-    [parent] = client.search_runs([exp.experiment_id], "tags.`rayvit.kind` = 'search' and tags.`rayvit.sweep` = 'e2e'")
-    assert parent.info.status == "FINISHED"
-    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-    assert sorted(c.data.tags["rayvit.trial"] for c in children) == ["baseline", "t01", "t02"]
-    for child in children:
-        assert child.data.tags["feasible"] in ("true", "false") and child.data.tags["reason"]
-        assert child.data.params["train.steps"] == "40"
-        if child.data.tags["rayvit.trial"] != "baseline":
-            assert child.data.params["trial.precision.mode"] in ("amp", "pure")
-            assert child.data.tags["precision"].startswith(child.data.params["trial.precision.mode"])
-        assert child.data.metrics["tflops_per_chip"] > 0 and 0 <= child.data.metrics["val_accuracy"] <= 1
-    baseline = next(c for c in children if c.data.tags["rayvit.trial"] == "baseline")
-    assert baseline.data.tags["precision"] == "fp32" and baseline.data.params["optim.impl"] == "loop"
-    assert parent.data.metrics["baseline_val_accuracy"] == pytest.approx(baseline.data.metrics["val_accuracy"])
-    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"search_trials.parquet", "search_trials.txt", "accuracy_vs_throughput.png",
-            "best_config.yaml"} <= artifacts
-
-    # The best config is the best feasible trial (or the baseline) and loads as a config.
-    best = load_config(best_path)
-    feasible = [c for c in children if c.data.tags["feasible"] == "true"]
-    top = max(feasible, key=lambda c: c.data.metrics["tflops_per_chip"])
-    assert parent.data.tags["best_trial"] == top.data.tags["rayvit.trial"]
-    assert best.precision.mode == top.data.tags["precision"].split("-")[0]
-    assert best.train.steps == 40 and load_study(best_path).search.space == {}
-
-    # ... and experiments/scaling.py accepts it.
-    proc = subprocess.run([sys.executable, "experiments/scaling.py", "--dry-run", "--config", str(best_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "scaling sweep" in proc.stdout and "ddp/w1" in proc.stdout
-
-
-def test_default_search_picks_the_faster_setting_within_budget_and_rejects_a_lossy_one(local_ray, tmp_path,
-                                                                                          capsys):
+def test_cli_search_end_to_end_picks_the_faster_setting_within_budget_and_rejects_a_lossy_one(
+        local_ray, tmp_path, capsys):
     # The default config's decisive pair (see search_cpu.yaml): bf16 autocast at 32 px and at 40 px. At
     # 100 steps, as at the default's 150, 32 px stays within the budget (80.8% against fp32's 81.1%) and
     # 40 px loses 9.7 points; the accuracies are deterministic (fixed seed). That 32 px amp beats the fp32
-    # baseline's TFLOPS is a timing (1.1-1.7x measured here).
+    # baseline's TFLOPS is a timing (1.1-1.7x measured here). One search serves the CLI's end-to-end
+    # checks (the MLflow record, the written config, scaling.py accepting it) and the default's outcome.
     sys.path.insert(0, str(REPO / "experiments"))
     try:
         import search as search_cli
@@ -140,7 +93,7 @@ def test_default_search_picks_the_faster_setting_within_budget_and_rejects_a_los
     best_path = tmp_path / "best.yaml"
     sets = ["search.space={precision.mode: [amp], model.image_size: [32, 40]}", "train.steps=100"]
     argv = ["--name", "decisive", "--output", str(best_path)] + [a for s in sets for a in ("--set", s)]
-    assert search_cli.main(argv) == 0
+    assert search_cli.main(argv) == 0    # in-process: uses this module's Ray instance
     printed = capsys.readouterr().out
 
     # The live lines and the summary say which setting won and why the other was rejected.
@@ -154,12 +107,44 @@ def test_default_search_picks_the_faster_setting_within_budget_and_rejects_a_los
     assert " no " in rows["t02"] and "points below the baseline" in rows["t02"]
     assert "No trial beat the baseline" not in printed
 
-    # The written best config is the winner, and it states its gain.
+    # MLflow: one parent run for the search, a child per trial and one for the baseline.
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("rayvit-search")
+    [parent] = client.search_runs([exp.experiment_id],
+                                  "tags.`rayvit.kind` = 'search' and tags.`rayvit.sweep` = 'decisive'")
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["rayvit.trial"] for c in children) == ["baseline", "t01", "t02"]
+    for child in children:
+        assert child.data.tags["feasible"] in ("true", "false") and child.data.tags["reason"]
+        assert child.data.params["train.steps"] == "100"
+        if child.data.tags["rayvit.trial"] != "baseline":
+            assert child.data.params["trial.precision.mode"] == "amp"
+            assert child.data.params["trial.model.image_size"] in ("32", "40")
+            assert child.data.tags["precision"].startswith(child.data.params["trial.precision.mode"])
+        assert child.data.metrics["tflops_per_chip"] > 0 and 0 <= child.data.metrics["val_accuracy"] <= 1
+    baseline = next(c for c in children if c.data.tags["rayvit.trial"] == "baseline")
+    assert baseline.data.tags["precision"] == "fp32" and baseline.data.params["optim.impl"] == "loop"
+    assert parent.data.metrics["baseline_val_accuracy"] == pytest.approx(baseline.data.metrics["val_accuracy"])
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"search_trials.parquet", "search_trials.txt", "accuracy_vs_throughput.png",
+            "best_config.yaml"} <= artifacts
+
+    # The written best config is the best feasible trial, states its gain and loads as a config ...
     best = load_config(best_path)
+    feasible = [c for c in children if c.data.tags["feasible"] == "true"]
+    top = max(feasible, key=lambda c: c.data.metrics["tflops_per_chip"])
+    assert parent.data.tags["best_trial"] == top.data.tags["rayvit.trial"] == "t01"
     assert (best.precision.mode, best.precision.dtype, best.model.image_size) == ("amp", "bf16", 32)
-    assert best.train.steps == 100 and best.model.hidden_dim == 256
+    assert best.train.steps == 100 and best.model.hidden_dim == 256 and load_study(best_path).search.space == {}
     header = best_path.read_text().splitlines()[1]
     assert header.startswith("# Setting: mode=amp image_size=32 (t01)") and "x the baseline's" in header
+
+    # ... and experiments/scaling.py accepts it.
+    proc = subprocess.run([sys.executable, "experiments/scaling.py", "--dry-run", "--config", str(best_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "scaling sweep" in proc.stdout and "ddp/w1" in proc.stdout
 
 
 def test_asha_stopped_trials_release_their_workers(local_ray):
