@@ -3,8 +3,9 @@
     flock /tmp/rayvit-cpu.lock python benchmarks/projection_vs_measured.py [--set section.key=value ...]
 
 Runs the default sweep (experiments/configs/cpu_default.yaml: ddp, fsdp, fairscale_oss at 1 and 2
-workers, gloo) through ``rayvit.studies.sweep.run_sweep`` into a throw-away MLflow store: the 1-worker points,
-the gloo collective microbenchmark and the 2-worker points, in one run. Then it projects every point
+workers, gloo) through ``rayvit.studies.sweep.run_sweep`` into a throw-away MLflow store: the 1-worker points
+and the 2-worker points, the first of which also runs the gloo collective microbenchmark on its workers
+after training, in one run. Then it projects every point
 from the DDP 1-worker measurement plus the measured links (``rayvit.projection``) and prints projected
 and measured images/s per chip side by side with the error. Goal: every 2-worker point within 20%.
 Nothing is fitted to the 2-worker measurements: they are only compared against.

@@ -69,6 +69,9 @@ class RunResult:
     config: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     per_rank: dict[str, list[Optional[float]]] = field(default_factory=dict)  # PER_RANK_KEYS -> by rank
+    # The collective microbenchmark, measured on this run's own workers after training when the caller
+    # asked for it (``fit(..., measure_links=...)``; rayvit.projection.collectives); else None.
+    links: Optional[dict[str, Any]] = None
 
     def __getitem__(self, key: str) -> Any:
         if key in self.metrics:

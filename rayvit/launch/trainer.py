@@ -104,14 +104,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
         result = train(cfg, device=device, dataset_shards=shards if shards["train"] is not None else None,
                        report=report, resume_from=resume_from, on_step=config.get("progress"))
+    if config.get("links") is not None:
+        # After training, outside every timed step, on these very workers: no second worker group.
+        from rayvit.projection.collectives import worker_benchmark
+
+        result.links = worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
+                                         "model": config["rayvit"], "batch": t.batch_size, **config["links"]})
     return result.to_dict()
 
 
 def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
-                  progress: Optional[Callable] = None) -> TorchTrainer:
+                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None) -> TorchTrainer:
     """A ``TorchTrainer`` for ``cfg``: one worker per chip, gloo on CPU and nccl on GPU.
 
     ``progress`` is called by every worker after every step (see :mod:`rayvit.launch.progress`).
+    ``measure_links``: options of the collective microbenchmark the workers run after training
+    (``{}`` for the defaults), returned in ``RunResult.links``.
     """
     p, t = cfg.parallel, cfg.train
     train_environment(cfg)
@@ -129,16 +137,18 @@ def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: O
         from rayvit.data import ray_datasets
 
         datasets = ray_datasets(cfg)
-    return TorchTrainer(train_loop_per_worker, train_loop_config={"rayvit": cfg.to_dict(), "progress": progress},
+    loop_config = {"rayvit": cfg.to_dict(), "progress": progress, "links": measure_links}
+    return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
                         scaling_config=scaling, torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
                         run_config=run_config, datasets=datasets)
 
 
 def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
-        on_progress: Optional[Callable[[dict], None]] = None) -> RunResult:
+        on_progress: Optional[Callable[[dict], None]] = None, measure_links: Optional[dict] = None) -> RunResult:
     """Run ``cfg`` on Ray Train and return rank 0's summary. Starts or attaches to Ray as needed.
 
     ``on_progress`` receives rank 0's figures (step, steps, loss, images/s per chip) about once a second.
+    ``measure_links``: see :func:`build_trainer`.
     """
     ensure_ray()
     check_cluster_fits([cfg])
@@ -146,7 +156,7 @@ def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[Ru
     check_storage([cfg], storage_given=run_config is not None and run_config.storage_path is not None)
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
     trainer = build_trainer(cfg, datasets=datasets, run_config=run_config,
-                            progress=channel.poster() if on_progress else None)
+                            progress=channel.poster() if on_progress else None, measure_links=measure_links)
     try:
         with channel:
             result = trainer.fit()

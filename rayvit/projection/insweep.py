@@ -1,11 +1,10 @@
 """The projection inside a real sweep: measure the links once, project every point, judge, record.
 
-``rayvit.studies.sweep.run_sweep`` calls three functions for scaling sweeps, each a line there:
+For scaling sweeps ``rayvit.studies.sweep`` asks the workers of the first point at the largest worker
+count still to run for the links (the collective microbenchmark of ``rayvit.projection.collectives``,
+run after that point's training on the same workers: no worker group of its own, and on an autoscaling
+cluster no node the points do not need), prints them with :func:`describe_measured`, and calls:
 
-- :func:`measure` once the cluster holds the sweep's largest worker count still to run (just after the
-  first point at that count finished): the collective microbenchmark at that count (``rayvit.projection.collectives``). Measured then, it needs no nodes the points do not need
-  anyway: on an autoscaling cluster it never grows the cluster ahead of the points. None (with a printed
-  reason) when it cannot run, and the sweep goes on.
 - :func:`judge` for each point once the links are known (the points before that are judged together):
   the point's projection from the sweep's own single-chip (or smallest count) DDP measurement plus the
   measured links, logged on the point's child run as ``projected_*`` metrics, and a warning when the
@@ -33,23 +32,11 @@ def links_count(points) -> Optional[int]:
     return max((p.world_size for p in points if p.world_size > 1), default=None)
 
 
-def measure(cfg, num_workers: int, address: Optional[str], out: Callable[[str], None] = print
-            ) -> Optional[dict]:
-    """Links measured on ``num_workers`` Ray Train workers, placed as the sweep's points are."""
-    from rayvit.launch.storage import storage_path
-    from rayvit.projection.collectives import describe, measure_links
+def describe_measured(links: dict, where: str) -> str:
+    """The links as printed in a sweep: what was measured, on which point's workers, how long it took."""
+    from rayvit.projection.collectives import describe
 
-    p = cfg.parallel
-    try:
-        links = measure_links(num_workers, use_gpu=p.use_gpu, cpus_per_worker=p.cpus_per_worker,
-                              model=cfg.to_dict(), batch=cfg.train.batch_size, address=address,
-                              placement_strategy=p.placement_strategy, storage=storage_path(cfg))
-    except Exception:  # noqa: BLE001 - the sweep's measurements matter more than its projection
-        out("projection: the collective microbenchmark failed; projecting with the hardware profile's "
-            "links instead:\n" + traceback.format_exc(limit=2))
-        return None
-    out(describe(links) + f"\n  (microbenchmark took {links.get('wall_seconds', 0):.0f} s with Ray Train start-up)")
-    return links
+    return describe(links) + f"\n  (measured on {where}'s workers after its training, {links.get('seconds', 0):.0f} s)"
 
 
 def sweep_profile(cfg, rows: list[dict], links: Optional[dict]) -> HardwareProfile:

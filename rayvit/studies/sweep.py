@@ -8,6 +8,7 @@ the same name reuses finished points whose measured settings are unchanged and r
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -75,22 +76,22 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
 
     progress = Progress(len(points), out)
     outcomes: list[Outcome] = []
-    links = _Links(study, todo, address, out)
+    links = _Links(study, todo, out)
     try:
         for i, point in enumerate(points):
             outcome = run.reusable(point)
-            ran = outcome is None
-            if ran:
+            if outcome is None:
                 if run.changed_since(point):
                     out(f"{progress.tag(point)} {point.key}: its settings changed since run "
                         f"{run.changed_since(point)}; running it again")
                 progress.begin(point, len(points) - i)
-                outcome = run.run_point(point, capacity.waiting(fit, out), _point_tags(point, mode), progress)
+                outcome = run.run_point(point, links.fit_for(point, capacity.waiting(fit, out)),
+                                        _point_tags(point, mode), progress)
             outcomes.append(outcome)
             progress.end(outcome)
-            links.after(run, outcomes, ran)
+            links.after(run, outcomes)
             _log_curves(run, rows_of(outcomes, mode), mode)
-        links.after(run, outcomes, ran=False, last=True)
+        links.after(run, outcomes, last=True)
     except KeyboardInterrupt:
         run.interrupted(points[len(outcomes)].key if len(outcomes) < len(points) else "end")
         raise
@@ -100,32 +101,39 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
 class _Links:
     """The sweep's measured links and the points' projections against them (scaling sweeps only).
 
-    The collective microbenchmark runs once the cluster holds the largest worker count still to run: just
-    after the first point at that count finishes (not at all if none does). Run earlier, it
-    would make an autoscaling cluster grow to its largest size before the first point. Points are
-    judged once the links are known, those before it together.
+    The collective microbenchmark runs on the workers of the first point at the largest worker count
+    still to run, right after that point's training (``fit(..., measure_links=...)``): no worker group of
+    its own, the placement the points get, and on an autoscaling cluster no node the points do not need.
+    Points are judged once the links are known, those before it together.
     """
 
-    def __init__(self, study: Study, todo: list[Point], address: Optional[str], out: Callable[[str], None]):
+    def __init__(self, study: Study, todo: list[Point], out: Callable[[str], None]):
         from rayvit.projection import insweep
 
-        self.insweep, self.study, self.address, self.out = insweep, study, address, out
+        self.insweep, self.study, self.out = insweep, study, out
         self.scaling = study.sweep.mode == "scaling"
         self.count = insweep.links_count(todo) if self.scaling else None
         self.measured: Optional[dict] = None
-        self.pending = self.count is not None      # no microbenchmark below 2 workers, or if all reused
+        self.pending = self.count is not None      # no microbenchmark below 2 workers
         self.judged = 0
 
-    def after(self, run: StudyRun, outcomes: list[Outcome], ran: bool, last: bool = False) -> None:
+    def fit_for(self, point: Point, fit: Callable[..., Any]) -> Callable[..., Any]:
+        """``fit``, asking this point's workers for the links when it is the one to measure them."""
+        if self.pending and point.world_size == self.count:
+            return functools.partial(fit, measure_links={})
+        return fit
+
+    def after(self, run: StudyRun, outcomes: list[Outcome], last: bool = False) -> None:
         if not self.scaling:
             return
-        if self.pending and (last or (ran and outcomes[-1].ok and outcomes[-1].point.world_size == self.count)):
+        newest = outcomes[-1] if outcomes else None
+        if self.pending and newest is not None and newest.ok and newest.result.links:
+            self.pending, self.measured = False, newest.result.links
+            self.out(self.insweep.describe_measured(self.measured, newest.point.key))
+        elif self.pending and last:
             self.pending = False
-            if any(o.ok and o.point.world_size == self.count for o in outcomes):
-                self.measured = self.insweep.measure(self.study.run, self.count, self.address, self.out)
-            else:
-                self.out(f"projection: no point at {self.count} workers finished, so the links were not measured; "
-                         "projecting with the hardware profile's links")
+            self.out(f"projection: no point at {self.count} workers finished, so the links were not measured; "
+                     "projecting with the hardware profile's links")
         if self.pending:
             return
         for k in range(self.judged, len(outcomes)):

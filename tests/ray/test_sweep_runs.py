@@ -82,8 +82,8 @@ def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store
     assert "peak MB/rank on CPU: the worker process's peak resident set" in out
     assert "6 points ran, 0 reused, 0 failed" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{store[0]}/mlflow.db" in out
-    # The collective microbenchmark runs once the cluster holds 2 workers: after the first 2-worker point
-    # (so an autoscaling cluster never grows ahead of the points), before the next one starts.
+    # The collective microbenchmark runs on the first 2-worker point's own workers after its training (so
+    # an autoscaling cluster never grows ahead of the points), and is printed before the next one starts.
     bench = out.index("collectives over 2 gloo ranks")
     first_w2 = re.search(r"^\[\d/6\] \w+/w2 done in", out, re.M).start()
     assert first_w2 < bench < out.index("@ 2 workers", out.index("@ 2 workers", 0) + 1)
@@ -134,6 +134,17 @@ def test_default_sweep_store(default_sweep, tmp_path):
     assert {"config.yaml", "results.parquet", "scaling.png", "links.json", "projection.png"} <= names
     links = json.loads(Path(client.download_artifacts(pid, "links.json", str(tmp_path))).read_text())
     assert links["backend"] == "gloo" and links["world_size"] == 2
+    # ... measured on the workers of the first 2-worker point (its result.json carries them), no other.
+    carried = {}
+    for c in children:
+        folder = tmp_path / c.info.run_id
+        folder.mkdir()
+        result = json.loads(Path(client.download_artifacts(c.info.run_id, "result.json", str(folder))).read_text())
+        carried[c.info.run_id] = result["links"]
+    first_w2 = min((c for c in children if c.data.tags["rayvit.point"].endswith("/w2")),
+                   key=lambda c: c.info.start_time)
+    assert [run_id for run_id, value in carried.items() if value] == [first_w2.info.run_id]
+    assert carried[first_w2.info.run_id] == links
     table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
     assert table.num_rows == 6
     rows = table.to_pylist()
