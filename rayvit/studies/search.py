@@ -19,6 +19,7 @@ that change how the work is done (:data:`~rayvit.studies.plan.SEARCHABLE_KEYS`),
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -349,6 +350,26 @@ def tune_storage(cfg: Config) -> str:
     return base.rstrip("/") + "_tune" if "://" in base else str(Path(base).parent / "tune_results")
 
 
+@contextlib.contextmanager
+def _tune_output_off():
+    """Tune silent: rayvit prints each trial's lines itself.
+
+    Ray 2.60's new Tune output engine prints its "Configuration for experiment" box and a TensorBoard
+    hint even at ``verbose=0`` (``tune.run`` calls ``experiment_started`` whatever the verbosity); the
+    legacy engine, chosen by Ray's documented ``RAY_AIR_NEW_OUTPUT=0``, honours ``verbose=0``. Set for
+    the driver's ``fit()`` only, then restored.
+    """
+    saved = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved
+
+
 def _trials(run: StudyRun, plan: SearchPlan, baseline: Outcome, parallel: int, out):
     """Every trial through Tune, or the rest of them when an interrupted search of this name is resumed."""
     s, study = plan.study.search, plan.study
@@ -365,7 +386,8 @@ def _trials(run: StudyRun, plan: SearchPlan, baseline: Outcome, parallel: int, o
         tuner = tune.Tuner.restore(path, trainable, resume_errored=True)
     else:
         tuner = _new_tuner(plan, trainable, parallel, [releaser, recorder], run.name, study.run)
-    grid = tuner.fit()
+    with _tune_output_off():
+        grid = tuner.fit()
     # The last trial's controller may still be dying: leave the cluster as we found it.
     releaser.drain()
     return grid, len(releaser.released)

@@ -106,6 +106,8 @@ def test_cli_search_end_to_end_picks_the_faster_setting_within_budget_and_reject
     assert rows["t01"].startswith("*") and rows["t01"].rstrip().endswith("within the accuracy budget")
     assert " no " in rows["t02"] and "points below the baseline" in rows["t02"]
     assert "No trial beat the baseline" not in printed
+    # Tune's own banner box and its TensorBoard hint stay off the console.
+    assert "Configuration for experiment" not in printed and "tensorboard" not in printed.lower()
 
     # MLflow: one parent run for the search, a child per trial and one for the baseline.
     client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
