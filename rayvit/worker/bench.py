@@ -33,6 +33,7 @@ class Variant:
     label: str
     session: Session
     times: list[float] = field(default_factory=list)
+    model_state_bytes: int = 0          # read before the session is closed (closing releases the model)
 
     @property
     def images_per_sec(self) -> float:
@@ -76,6 +77,8 @@ def run_group(cfg: Config, compare: tuple[str, list[str]] | None, rounds: int, s
                     v.times.append(v.session.history[-1]["step_time_s"])
             print(f"  round {r + 1}/{rounds}: " + ", ".join(
                 f"{v.label} {v.images_per_sec:.1f} img/s" for v in variants), file=sys.stderr)
+        for v in variants:
+            v.model_state_bytes = v.session.model_state_bytes()
     finally:
         for v in reversed(variants):
             v.session.close()
@@ -93,7 +96,7 @@ def report(variants: list[Variant]) -> list[dict]:
             "variant": v.label, "images_per_sec": ips, "ratio": ips / base,
             **metrics.step_time_percentiles(v.times),
             "tflops": rate["tflops_per_chip"], "mfu": rate["mfu"], "peak_source": rate["peak_source"],
-            "model_state_mb": s.model_state_bytes() / 2 ** 20,
+            "model_state_mb": v.model_state_bytes / 2 ** 20,
             "peak_memory_mb": hardware.peak_memory_bytes(s.device) / 2 ** 20,
         })
     return rows

@@ -45,3 +45,14 @@ def test_project_takes_only_what_a_projection_uses_and_says_what_is_wrong(capsys
     assert "--address" not in capsys.readouterr().out      # nothing runs, so no cluster to name
     assert main(["project", "--set", "model.nmae=vit_b16"]) == 2
     assert "model.nmae" in capsys.readouterr().err
+
+
+def test_bench_times_variants_side_by_side_as_ratios(capsys):
+    """`rayvit bench` end to end on the tiny default: each variant timed, the first the baseline."""
+    assert main(["bench", "--steps", "1", "--rounds", "2", "--warmup", "1",
+                 "--compare", "optim.impl=loop,foreach"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("optim.impl=")}
+    assert set(rows) == {"optim.impl=loop", "optim.impl=foreach"}
+    assert rows["optim.impl=loop"][2] == "1.000" and float(rows["optim.impl=foreach"][2]) > 0
+    assert float(rows["optim.impl=loop"][-2]) > 0          # model state MB, read before the sessions closed
