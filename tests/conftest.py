@@ -27,3 +27,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for mark in TIER_MARKS.get(Path(str(item.fspath)).parent.name, ()):
             item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.fixture(scope="module")
+def digits_parquet(tmp_path_factory) -> Path:
+    """All 1797 digits as PNGs converted to parquet by the to_parquet CLI (4 shards), once per module."""
+    from shared import export_digits_parquet
+
+    return export_digits_parquet(tmp_path_factory.mktemp("digits"))

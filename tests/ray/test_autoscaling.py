@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+
+from clusters import free_port, pids_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -50,24 +51,6 @@ request = client.internal_kv_get(b"autoscaler_resource_request", namespace=None)
 print(json.dumps({"cpu_nodes": sum(1 for n in alive if n.resources_total.get("CPU", 0) >= 1),
                   "nodes": len(alive), "request": request.decode() if request is not None else None}))
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 def _autoscaling_config(gcs_address: str) -> dict:
@@ -106,19 +89,19 @@ def cluster():
     from ray._private.services import get_node_ip_address
 
     # `ray start` puts the GCS on the host's routable address; the fake nodes must dial the same one.
-    address = f"{get_node_ip_address()}:{_free_port()}"
+    address = f"{get_node_ip_address()}:{free_port()}"
     config = tmp / "autoscaling.json"
     config.write_text(json.dumps(_autoscaling_config(address)))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "RAY_enable_autoscaler_v2")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
                RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
-    dashboard = _free_port()
+    dashboard = free_port()
     cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={address.rsplit(':', 1)[1]}",
            "--num-cpus=0", f"--autoscaling-config={config}", f"--temp-dir={ray_tmp}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-           f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-           f"--metrics-export-port={_free_port()}", "--object-store-memory=100000000", "--disable-usage-stats"]
+           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+           f"--metrics-export-port={free_port()}", "--object-store-memory=100000000", "--disable-usage-stats"]
     log = open(tmp / "head.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -145,15 +128,15 @@ def cluster():
             except subprocess.TimeoutExpired:
                 pass
         # The fake nodes are raylets the autoscaler spawned; they share our temp dir, whatever their group.
-        for pid in _pids_mentioning(ray_tmp):
+        for pid in pids_mentioning(ray_tmp):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while _pids_mentioning(ray_tmp) and time.monotonic() < deadline:
+        while pids_mentioning(ray_tmp) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _pids_mentioning(ray_tmp)
+        left = pids_mentioning(ray_tmp)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
         assert not left, f"processes of the test cluster outlived it: {left}"

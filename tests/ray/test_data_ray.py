@@ -3,46 +3,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from rayvit.config import load_config
-from rayvit.data import Data, build_data, ray_datasets
-from rayvit.data.digits import export_image_folder
+from rayvit.data import build_data, ray_datasets
+
+from shared import CPU, config, sample_key, take
 
 REPO = Path(__file__).resolve().parents[2]
-CPU = torch.device("cpu")
-
-
-def config(*overrides: str):
-    return load_config(overrides=["train.batch_size=16", "model.image_size=16", *overrides])
-
-
-def sample_key(image: torch.Tensor) -> bytes:
-    """Identify a digit by its pixels (every load_digits image is distinct)."""
-    return image[0].cpu().numpy().tobytes()
-
-
-def take(data: Data, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [next(data.train) for _ in range(steps)]
-
-
-@pytest.fixture(scope="module")
-def digits_parquet(tmp_path_factory) -> Path:
-    """All 1797 digits exported as PNGs and converted with the to_parquet CLI (4 shards)."""
-    root = tmp_path_factory.mktemp("digits")
-    export_image_folder(root / "folder")
-    proc = subprocess.run([sys.executable, "-m", "rayvit.data.to_parquet", str(root / "folder"),
-                           str(root / "parquet"), "--rows-per-shard", "500"],
-                          capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert "wrote 1797 images of 10 classes to 4 shard(s)" in proc.stdout
-    return root / "parquet"
 
 
 @pytest.fixture(scope="module")

@@ -12,25 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from rayvit.config import from_dict, load_config
+from rayvit.config import load_config
 from rayvit.projection import memory
 from rayvit.projection.shapes import vit_tensors
+
+from shared import reduce_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
 STUDY = ROOT / "experiments/configs/study_a100.yaml"
-COMBOS = [(s, m) for s in ("ddp", "fsdp", "fairscale_oss") for m in ("fp32", "amp", "mixed", "pure")
-          if not (s == "fairscale_oss" and m == "mixed")]
-
-
-def reduce_dtype(strategy: str, mode: str) -> str:
-    """ShardedDDP reduces in the parameters' dtype: under pure it can only be told to reduce in half."""
-    return "parallel.reduce_dtype=" + ("half" if strategy == "fairscale_oss" and mode == "pure" else "fp32")
-
-
-def vit_b16(**overrides):
-    cfg = from_dict({"model": {"name": "vit_b16", "image_size": 224, "num_classes": 1000}})
-    return cfg.replace(overrides) if overrides else cfg
 
 
 def _free_port() -> int:

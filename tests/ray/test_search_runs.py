@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,13 +24,8 @@ from rayvit.studies.judge import (is_divergence, judge)
 from rayvit.studies.search import ERROR_KEY, STATUS_KEY, run_search, trial_trainable
 from rayvit.trainer import TrainingError, fit
 
-REPO = Path(__file__).resolve().parents[2]
-SEARCH_CPU = REPO / "experiments" / "configs" / "search_cpu.yaml"
-# Small and quick: every trial trains the same few steps on digits with 2 workers.
-QUICK = {"train.steps": 40, "train.report_every": 10, "train.warmup_steps": 5}
-# The 64-wide ViT the search default used before it grew to width 256 (bf16 is slower than fp32 on it).
-TINY_MODEL = {"model.hidden_dim": 64, "model.mlp_dim": 128, "model.patch_size": 4, "optim.lr": 0.003,
-              "optim.impl": "foreach"}
+from shared import REPO, QUICK, SEARCH_CPU, TINY_MODEL
+
 
 
 @pytest.fixture(scope="module")

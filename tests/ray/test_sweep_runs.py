@@ -7,7 +7,6 @@ user would) with few steps, then read the sqlite store the runs went to.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -21,10 +20,8 @@ from mlflow import MlflowClient
 
 import browser
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "experiments" / "scaling.py"
-CONFIGS = REPO / "experiments" / "configs"
-FEW_STEPS = ["--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
+from shared import cli_env, FEW_STEPS, SCRIPT
+
 
 
 # -- planning ----------------------------------------------------------------------------------------
@@ -33,10 +30,7 @@ FEW_STEPS = ["--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set",
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweeps")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", RAYVIT_HOME=str(root / "home"),
-               PYTHONUNBUFFERED="1")
-    return root, env
+    return root, cli_env(root)
 
 
 def run_cli(env, *args, timeout=400):

@@ -10,28 +10,18 @@ from pathlib import Path
 import pytest
 
 from rayvit.models import vit_complexity
-from rayvit.config import from_dict, load_config
+from rayvit.config import load_config
 from rayvit.projection import comms, memory
 from rayvit.projection.collectives import fit_link
 from rayvit.projection.performance import ComputeRate, project
 from rayvit.projection.profiles import Link, cpu_profile, get_profile, with_measured_links
 from rayvit.projection.shapes import vit_tensors
 
+from shared import COMBOS, reduce_dtype, vit_b16
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
 STUDY = ROOT / "experiments/configs/study_a100.yaml"
-COMBOS = [(s, m) for s in ("ddp", "fsdp", "fairscale_oss") for m in ("fp32", "amp", "mixed", "pure")
-          if not (s == "fairscale_oss" and m == "mixed")]
-
-
-def reduce_dtype(strategy: str, mode: str) -> str:
-    """ShardedDDP reduces in the parameters' dtype: under pure it can only be told to reduce in half."""
-    return "parallel.reduce_dtype=" + ("half" if strategy == "fairscale_oss" and mode == "pure" else "fp32")
-
-
-def vit_b16(**overrides):
-    cfg = from_dict({"model": {"name": "vit_b16", "image_size": 224, "num_classes": 1000}})
-    return cfg.replace(overrides) if overrides else cfg
 
 
 # ViT-B/16 at 224 px with a 1000-class head and a class token: 86,567,656 parameters in 152 tensors.

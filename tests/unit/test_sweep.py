@@ -6,22 +6,18 @@ user would) with few steps, then read the sqlite store the runs went to.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from rayvit.config import ConfigError, load_study
 from rayvit.studies.plan import plan
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "experiments" / "scaling.py"
-CONFIGS = REPO / "experiments" / "configs"
-FEW_STEPS = ["--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
+from shared import cli_env, CONFIGS, SCRIPT
+
 
 
 # -- planning ----------------------------------------------------------------------------------------
@@ -130,9 +126,6 @@ def test_dry_run_lists_points_and_resources(capsys):
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweeps")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", RAYVIT_HOME=str(root / "home"),
-               PYTHONUNBUFFERED="1")
-    return root, env
+    return root, cli_env(root)
 
 

@@ -1,0 +1,123 @@
+"""Helpers shared by the unit and Ray tiers (``tests/`` is on ``sys.path`` through its conftest).
+
+The CLIs' settings and environment, results with chosen figures for the MLflow record, the digits as
+images and parquet, and the ViT-B/16 and strategy-by-precision combinations the projection is checked on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from rayvit.config import from_dict, load_config
+from rayvit.data import Data
+from rayvit.data.digits import export_image_folder
+from rayvit.results import RunResult
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "experiments" / "configs"
+
+# -- sweeps and searches through their CLIs ---------------------------------------------------------
+
+SCRIPT = REPO / "experiments" / "scaling.py"
+FEW_STEPS = ["--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
+SEARCH_CPU = CONFIGS / "search_cpu.yaml"
+# Small and quick: every trial trains the same few steps on digits with 2 workers.
+QUICK = {"train.steps": 40, "train.report_every": 10, "train.warmup_steps": 5}
+# The 64-wide ViT the search default used before it grew to width 256 (bf16 is slower than fp32 on it).
+TINY_MODEL = {"model.hidden_dim": 64, "model.mlp_dim": 128, "model.patch_size": 4, "optim.lr": 0.003,
+              "optim.impl": "foreach"}
+
+
+def cli_env(root: Path) -> dict[str, str]:
+    """A user's environment for the CLIs, with the MLflow store and rayvit's home under ``root``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", RAYVIT_HOME=str(root / "home"),
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+# -- MLflow records -------------------------------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_result(strategy: str, world_size: int, tflops: float, images_per_chip: float, gpu: bool = False) -> RunResult:
+    """A RunResult as the trainer returns it, with chosen figures (inputs for the code under test).
+
+    Peak memory per rank is 4e7, 5e7, ... bytes (max 5e7 at two ranks); ``gpu`` adds what a CUDA run with
+    NVML records (reserved memory, utilisation, power).
+    """
+    metrics = {"images_per_sec": images_per_chip * world_size, "images_per_sec_per_chip": images_per_chip,
+               "tflops_per_chip": tflops, "mfu": tflops / 2.0, "step_time_p50_s": 0.1, "step_time_p90_s": 0.12,
+               "model_state_bytes_per_rank": 4e6 / (world_size if strategy != "ddp" else 1),
+               "peak_memory_bytes_per_rank": 5e7, "final_loss": 1.5, "val_accuracy": None,
+               "epoch_time_imagenet_h": 3.0, "train_flops_per_image": 1e9, "peak_tflops": 2.0,
+               "timed_steps": 10, "wall_time_s": 4.0}
+    per_rank = {"peak_memory_bytes": [4e7 + 1e7 * r for r in range(world_size)]}
+    metrics["peak_memory_bytes_per_rank"] = max(per_rank["peak_memory_bytes"])
+    if gpu:
+        per_rank.update(peak_memory_reserved_bytes=[6e7 + 1e7 * r for r in range(world_size)],
+                        gpu_utilization_pct=[90.0 - 10 * r for r in range(world_size)],
+                        gpu_power_w=[400.0 - 50 * r for r in range(world_size)])
+        metrics.update(peak_memory_reserved_bytes_per_rank=max(per_rank["peak_memory_reserved_bytes"]),
+                       gpu_utilization_pct=sum(per_rank["gpu_utilization_pct"]) / world_size,
+                       gpu_utilization_pct_max=90.0, gpu_power_w=sum(per_rank["gpu_power_w"]) / world_size,
+                       gpu_power_w_max=400.0, gpu_samples=30.0)
+    conditions = {"model": "custom", "image_size": 32, "batch_per_chip": 16, "precision": "fp32",
+                  "strategy": strategy, "world_size": world_size, "accelerator": "cpu",
+                  "torch_version": "2.13.0", "ray_version": "2.60.0", "fairscale_version": "0.4.13",
+                  "rayvit_version": "0.1.0", "data": "synthetic",
+                  "memory_measure": "cuda_allocated" if gpu else "process_rss"}
+    history = [{"step": s, "loss": 2.0 - 0.1 * s, "lr": 1e-3, "step_time_s": 0.1} for s in range(1, 6)]
+    return RunResult(metrics, conditions, history, config={"parallel": {"strategy": strategy}},
+                     per_rank=per_rank)
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+CPU = torch.device("cpu")
+
+
+def config(*overrides: str):
+    return load_config(overrides=["train.batch_size=16", "model.image_size=16", *overrides])
+
+
+def sample_key(image: torch.Tensor) -> bytes:
+    """Identify a digit by its pixels (every load_digits image is distinct)."""
+    return image[0].cpu().numpy().tobytes()
+
+
+def take(data: Data, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [next(data.train) for _ in range(steps)]
+
+
+def export_digits_parquet(root: Path) -> Path:
+    """All 1797 digits exported as PNGs under ``root`` and converted with the to_parquet CLI (4 shards)."""
+    export_image_folder(root / "folder")
+    proc = subprocess.run([sys.executable, "-m", "rayvit.data.to_parquet", str(root / "folder"),
+                           str(root / "parquet"), "--rows-per-shard", "500"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 1797 images of 10 classes to 4 shard(s)" in proc.stdout
+    return root / "parquet"
+
+
+# -- projection -----------------------------------------------------------------------------------
+
+COMBOS = [(s, m) for s in ("ddp", "fsdp", "fairscale_oss") for m in ("fp32", "amp", "mixed", "pure")
+          if not (s == "fairscale_oss" and m == "mixed")]
+
+
+def reduce_dtype(strategy: str, mode: str) -> str:
+    """ShardedDDP reduces in the parameters' dtype: under pure it can only be told to reduce in half."""
+    return "parallel.reduce_dtype=" + ("half" if strategy == "fairscale_oss" and mode == "pure" else "fp32")
+
+
+def vit_b16(**overrides):
+    cfg = from_dict({"model": {"name": "vit_b16", "image_size": 224, "num_classes": 1000}})
+    return cfg.replace(overrides) if overrides else cfg
