@@ -2,7 +2,7 @@
 
 Mirrors ``rayvit.models.vit.VisionTransformer`` tensor by tensor, in ``model.parameters()`` order, so that
 byte counts can copy what the sharding libraries do per tensor (FSDP2 splits dim 0 of each tensor, OSS
-assigns whole tensors to ranks). ``tests/test_projection.py`` checks it against the real model.
+assigns whole tensors to ranks). ``tests/unit/test_projection.py`` checks it against the real model.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One rank of the world-size-2 model-state check in tests/test_projection.py (run as a subprocess).
+"""One rank of the world-size-2 model-state check in tests/ray/test_projection_distributed.py (run as a subprocess).
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/ray/_projection_state_worker.py
 

@@ -6,7 +6,7 @@ multi-node provider: a head with 0 CPUs, worker nodes of 1 CPU, 0 to 2 of them. 
 each "node" as a raylet on this machine. It normally makes them join on port 6379; its
 ``provider.gcs_address`` setting (fake_multi_node/node_provider.py) points them at our head on a free
 port instead, so this test neither needs nor collides with 6379. The head runs in its own process group
-with its own ``--temp-dir`` and a token of its own (passed by environment, as tests/test_scaling_job.py
+with its own ``--temp-dir`` and a token of its own (passed by environment, as tests/ray/test_scaling_job.py
 does), and the sweep runs as ``experiments/scaling.py`` attached with ``RAY_ADDRESS``. ``ray stop`` is
 never used (it stops every Ray instance on the machine); teardown kills our process group and any
 process that still names our temp dir.
