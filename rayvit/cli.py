@@ -95,11 +95,16 @@ PROJECT_EXAMPLES = """examples:
   %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)"""
 
 
-def _common(parser: argparse.ArgumentParser, default_config: Path, what: str) -> None:
+def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",
+                    example: str = "train.steps=10") -> None:
     parser.add_argument("--config", default=str(default_config),
-                        help=f"YAML config (default: experiments/configs/{default_config.name})")
+                        help=f"{what} (default: experiments/configs/{default_config.name})")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value, e.g. --set train.steps=10 (repeatable)")
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
+
+
+def _common(parser: argparse.ArgumentParser, default_config: Path, what: str) -> None:
+    _config_options(parser, default_config)
     parser.add_argument("--name", help=f"{what} name (the MLflow parent run); an existing name resumes it")
     parser.add_argument("--address", help="Ray cluster to attach to, host:port of its GCS (default: "
                                           "$RAY_ADDRESS, as set by `ray job submit`; else a local "
@@ -213,10 +218,8 @@ def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
 def project_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=PROJECT_DESCRIPTION, epilog=PROJECT_EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(CONFIGS / "cpu_default.yaml"),
-                        help="YAML config whose sweep is projected (default: experiments/configs/cpu_default.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override a config value, e.g. --set model.image_size=256 (repeatable)")
+    _config_options(parser, CONFIGS / "cpu_default.yaml", "YAML config whose sweep is projected",
+                    "model.image_size=256")
     _projection_options(parser, standalone=True)
     return parser
 

@@ -240,10 +240,9 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
 
 def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: int = 1,
                   model: Optional[dict] = None, batch: int = 8, address: Optional[str] = None,
-                  placement_strategy: str = "PACK", storage: Optional[str] = None, **options) -> dict[str, Any]:
-    """Run the microbenchmark on ``num_workers`` Ray Train workers; returns the links dict (rank 0's).
-
-    ``storage``: Ray Train's storage path for the run folder (default: ``$RAYVIT_HOME/ray_results``)."""
+                  placement_strategy: str = "PACK", **options) -> dict[str, Any]:
+    """Run the microbenchmark on ``num_workers`` Ray Train workers of its own; returns the links dict
+    (rank 0's). Sweeps do not call this: they measure on a point's workers (``fit(measure_links=...)``)."""
     import uuid
 
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -263,7 +262,7 @@ def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: i
                                                            **({"GPU": 1.0} if use_gpu else {})},
                                      placement_strategy=placement_strategy),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        run_config=RunConfig(name=f"rayvit-links-{uuid.uuid4().hex[:8]}", storage_path=storage or default_storage_path(),
+        run_config=RunConfig(name=f"rayvit-links-{uuid.uuid4().hex[:8]}", storage_path=default_storage_path(),
                              failure_config=FailureConfig(max_failures=0, controller_failure_limit=0)))
     links = trainer.fit().return_value
     links["wall_seconds"] = time.perf_counter() - start

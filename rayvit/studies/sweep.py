@@ -110,7 +110,7 @@ class _Links:
     def __init__(self, study: Study, todo: list[Point], out: Callable[[str], None]):
         from rayvit.projection import insweep
 
-        self.insweep, self.study, self.out = insweep, study, out
+        self.insweep, self.out = insweep, out
         self.scaling = study.sweep.mode == "scaling"
         self.count = insweep.links_count(todo) if self.scaling else None
         self.measured: Optional[dict] = None
