@@ -17,7 +17,7 @@ METRIC_KEYS = (
     "step_time_p90_s",
     "model_state_bytes_per_rank",  # parameters + gradients + optimizer state actually held (max over ranks)
     # Peak memory of the busiest rank: on CUDA the most bytes tensors held at once
-    # (torch.cuda.max_memory_allocated); on CPU the worker process's peak resident set (ru_maxrss), which
+    # (torch.cuda.max_memory_allocated); on CPU the worker process's peak resident set (VmHWM, reset per run), which
     # includes Python and libraries. The condition ``memory_measure`` says which ("cuda_allocated" /
     # "process_rss"); each rank's own figure is in RunResult.per_rank["peak_memory_bytes"].
     "peak_memory_bytes_per_rank",

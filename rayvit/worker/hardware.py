@@ -107,14 +107,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated device memory (CUDA), or the process's peak resident set size on CPU.
 
     CUDA: ``torch.cuda.max_memory_allocated``, the most bytes tensors held at once since the process
-    started or since :func:`reset_peak_memory`. CPU: the whole process's peak resident set (``ru_maxrss``:
-    Python, libraries and data included, never reset), the only figure a CPU run has.
+    started or since :func:`reset_peak_memory`. CPU: the whole process's peak resident set (Python,
+    libraries and data included), the only figure a CPU run has: Linux's ``VmHWM``, which
+    :func:`reset_peak_memory` restarts, elsewhere ``ru_maxrss`` (never reset).
     """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _vm_hwm_bytes()
+    if hwm is not None:
+        return hwm
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _vm_hwm_bytes() -> Optional[int]:
+    """This process's resident-set high-water mark from /proc (Linux), or None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def peak_reserved_bytes(device: torch.device) -> Optional[int]:
@@ -134,6 +150,14 @@ def memory_measure(device: torch.device) -> str:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Restart the CUDA peaks (allocated and reserved); the CPU resident-set peak cannot be reset."""
+    """Restart the peaks, so that several runs in one process (a sweep's worker group, ``rayvit bench``)
+    each measure their own: CUDA's allocated and reserved peaks; on Linux CPUs the resident-set
+    high-water mark (writing 5 to ``/proc/self/clear_refs``, see proc(5)), elsewhere nothing can."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

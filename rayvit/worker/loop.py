@@ -55,6 +55,8 @@ class Session:
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash.
             torch.set_num_threads(cfg.parallel.cpus_per_worker)
+        # Each session measures its own peak, also when several run one after another in this process.
+        hardware.reset_peak_memory(self.device)
         self.owns_process_group = ensure_process_group(self.device)
         self.rank, self.world_size = rank(), world_size()
 
