@@ -8,13 +8,16 @@ imported only by the functions that use it (``rayvit.data.parquet.ray_datasets``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from rayvit.config import Config, ConfigError
 from rayvit.data import batching, digits, parquet, synthetic
 from rayvit.data.parquet import ray_datasets, with_absolute_paths
+
+if TYPE_CHECKING:
+    import pyarrow.fs
 
 __all__ = ["Data", "build_data", "ray_datasets", "with_absolute_paths"]
 
@@ -32,13 +35,16 @@ class Data:
 
 
 def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: int = 1,
-               dataset_shards: Optional[dict] = None) -> Data:
+               dataset_shards: Optional[dict] = None,
+               filesystem: Optional["pyarrow.fs.FileSystem"] = None) -> Data:
     """Build this rank's data for ``cfg.data``.
 
     With ``dataset_shards`` (``{"train": DataIterator, "val": DataIterator or None}`` from
     ``ray.train.get_dataset_shard`` over :func:`ray_datasets`), batches come from the Ray shards, and
     sizes and class count from the datasets' DataContext (the files are read only for datasets built
-    elsewhere; then ``cfg.data.path`` must be absolute, see :func:`with_absolute_paths`).
+    elsewhere; then ``cfg.data.path`` must be absolute or a URI, see :func:`with_absolute_paths`).
+    ``filesystem``: a ``pyarrow.fs.FileSystem`` that parquet data paths lie in (default: the local
+    filesystem, or the one a URI names).
     """
     device = torch.device(device)
     d, t = cfg.data, cfg.train
@@ -65,7 +71,7 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
         batching.check_num_classes(num_classes, cfg.model.num_classes, "data.name=digits")
         transform = digits.upsampler(cfg.model.image_size)
     else:
-        train, val, num_classes = parquet.load_split(cfg, device)
+        train, val, num_classes = parquet.load_split(cfg, device, filesystem)
         transform = batching.uint8_normaliser(device)
 
     return Data(

@@ -13,10 +13,11 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
@@ -34,38 +35,109 @@ CLASS_NAMES_KEY = b"class_names"  # schema metadata written by to_parquet: JSON 
 # Files and metadata
 
 
-def parquet_files(path: str, key: str = "data.path") -> list[str]:
-    """Absolute paths of the parquet file ``path`` or of the ``*.parquet`` shards under a folder."""
-    abspath = os.path.abspath(path)
-    if os.path.isfile(abspath):
-        return [abspath]
-    if os.path.isdir(abspath):
-        files = sorted(os.path.join(root, name) for root, _, names in os.walk(abspath)
-                       for name in names if name.endswith(".parquet") and not name.startswith("."))
-        if files:
-            return files
-        raise ConfigError(f"{key}={path} is a folder with no .parquet files")
-    hint = "" if os.path.isabs(path) else (
+@dataclass(frozen=True)
+class ParquetSource:
+    """The parquet files behind one data path, and the pyarrow filesystem they are read through."""
+
+    filesystem: pafs.FileSystem
+    files: list[str]       # paths inside ``filesystem``, sorted
+    where: str             # ``key=path`` as the user gave it, for messages
+
+
+def is_uri(path: str) -> bool:
+    """Whether ``path`` names a filesystem by scheme (``s3://``, ``gs://``, ``hdfs://``, ``file://``)."""
+    return "://" in path
+
+
+def _reason(error: BaseException) -> str:
+    """pyarrow's message, first line only (a missing HDFS client lists every folder it searched)."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _hint(reason: str) -> str:
+    """What to check for the storage errors pyarrow's S3 and GCS clients report."""
+    upper = reason.upper()
+    if "NETWORK_CONNECTION" in upper or "COULD NOT RESOLVE" in upper or "COULDN'T CONNECT" in upper:
+        return "; the store cannot be reached from this node: check the network, or the endpoint and region"
+    if "ACCESS_DENIED" in upper or "CREDENTIALS" in upper or "FORBIDDEN" in upper or "403" in upper:
+        return ("; the store refused this node's credentials: check them (AWS_ACCESS_KEY_ID / an instance "
+                "role for S3, GOOGLE_APPLICATION_CREDENTIALS for GCS) on the driver and every worker node")
+    if "NO_SUCH_BUCKET" in upper or "NOSUCHBUCKET" in upper:
+        return "; no such bucket"
+    return ""
+
+
+def parquet_files(path: str, key: str = "data.path",
+                  filesystem: Optional[pafs.FileSystem] = None) -> ParquetSource:
+    """The parquet file ``path`` or the ``*.parquet`` shards under it (recursively), and their filesystem.
+
+    ``path`` is a local path or any URI ``pyarrow.fs.FileSystem.from_uri`` opens; with ``filesystem``
+    (e.g. a ``pyarrow.fs.SubTreeFileSystem``) it is a path inside that filesystem. Every failure is a
+    ``ConfigError`` naming ``key``, the path and what went wrong.
+    """
+    where = f"{key}={path}"
+    if filesystem is not None:
+        fs, inner = filesystem, path
+    elif is_uri(path):
+        try:
+            fs, inner = pafs.FileSystem.from_uri(path)
+        except (ValueError, OSError, pa.ArrowException) as e:   # ArrowInvalid is a ValueError
+            reason = _reason(e)
+            raise ConfigError(f"{where}: pyarrow cannot open it ({reason}){_hint(reason)}") from e
+    else:
+        fs, inner = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+    try:
+        info = fs.get_file_info(inner)
+        if info.type == pafs.FileType.File:
+            return ParquetSource(fs, [inner], where)
+        if info.type == pafs.FileType.Directory:
+            found = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
+            files = sorted(f.path for f in found if f.type == pafs.FileType.File
+                           and f.base_name.endswith(".parquet") and not f.base_name.startswith((".", "_")))
+            if files:
+                return ParquetSource(fs, files, where)
+            raise ConfigError(f"{where} is a folder with no .parquet files")
+    except (OSError, pa.ArrowException) as e:
+        reason = _reason(e)
+        raise ConfigError(f"{where}: cannot list it ({reason}){_hint(reason)}") from e
+    hint = "" if filesystem is not None or is_uri(path) or os.path.isabs(path) else (
         f" (relative to {os.getcwd()}; Ray Train workers change directory, so give an absolute path)")
-    raise ConfigError(f"{key}={path} does not exist{hint}")
+    raise ConfigError(f"{where} does not exist{hint}")
 
 
-def read_table(path: str, cfg: Config, key: str, images: bool = True) -> pa.Table:
+def _read(source: ParquetSource, what: str, read: Callable[[str], Any], file: str) -> Any:
+    """``read(file)``, with a failure reported as a ConfigError naming the data path and the file."""
+    try:
+        return read(file)
+    except (OSError, pa.ArrowException) as e:
+        reason = _reason(e)
+        raise ConfigError(f"{source.where}: cannot read {what} of {file} ({reason}){_hint(reason)}") from e
+
+
+def read_table(path: str, cfg: Config, key: str, images: bool = True,
+               filesystem: Optional[pafs.FileSystem] = None) -> pa.Table:
     """The label (and, with ``images``, image) columns of a parquet dataset, with clear errors."""
     d = cfg.data
-    files = parquet_files(path, key)
+    source = parquet_files(path, key, filesystem)
     columns = [d.image_column, d.label_column] if images else [d.label_column]
-    schema = pq.read_schema(files[0])
+    schema = _read(source, "the schema", lambda f: pq.read_schema(f, filesystem=source.filesystem),
+                   source.files[0])
     missing = [c for c in columns if c not in schema.names]
     if missing:
         raise ConfigError(f"{key}={path} has no column {missing[0]!r} (columns: {', '.join(schema.names)}); "
                           f"set data.image_column / data.label_column")
-    return pa.concat_tables([pq.read_table(f, columns=columns) for f in files])
+    return pa.concat_tables([
+        _read(source, "the data", lambda f: pq.read_table(f, columns=columns, filesystem=source.filesystem), f)
+        for f in source.files])
 
 
-def class_names(path: str) -> Optional[list[str]]:
+def class_names(path: str, filesystem: Optional[pafs.FileSystem] = None) -> Optional[list[str]]:
     """Class names that to_parquet stored in the schema metadata, if any."""
-    meta = pq.read_schema(parquet_files(path)[0]).metadata or {}
+    source = parquet_files(path, filesystem=filesystem)
+    schema = _read(source, "the schema", lambda f: pq.read_schema(f, filesystem=source.filesystem),
+                   source.files[0])
+    meta = schema.metadata or {}
     return json.loads(meta[CLASS_NAMES_KEY]) if CLASS_NAMES_KEY in meta else None
 
 
@@ -94,18 +166,19 @@ def shard_info(shard: Any, cfg: Config) -> ParquetInfo:
     return ParquetInfo(**stored) if stored else parquet_info(cfg)
 
 
-def parquet_info(cfg: Config) -> ParquetInfo:
+def parquet_info(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> ParquetInfo:
     """Split sizes and class count, checked against ``model.num_classes``; reads no image bytes."""
     d = cfg.data
-    labels = _labels(read_table(d.path, cfg, "data.path", images=False), d.label_column, "data.path")
+    labels = _labels(read_table(d.path, cfg, "data.path", images=False, filesystem=filesystem),
+                     d.label_column, "data.path")
     if d.val_path:
-        val = _labels(read_table(d.val_path, cfg, "data.val_path", images=False), d.label_column,
-                      "data.val_path")
+        val = _labels(read_table(d.val_path, cfg, "data.val_path", images=False, filesystem=filesystem),
+                      d.label_column, "data.val_path")
         num_train, num_val = len(labels), len(val)
         labels = np.concatenate([labels, val])
     else:
         num_train, num_val = split_sizes(len(labels), d.val_fraction)
-    names = class_names(d.path) or []
+    names = class_names(d.path, filesystem) or []
     num_classes = max(len(names), int(labels.max()) + 1 if len(labels) else 0)
     check_num_classes(num_classes, cfg.model.num_classes, f"data.path={d.path}")
     return ParquetInfo(num_train, num_val, num_classes)
@@ -145,22 +218,23 @@ def decode_images(encoded: list[bytes], image_size: int, threads: int = 0) -> np
 # Without Ray: pyarrow + PIL in this process
 
 
-def load_split(cfg: Config, device: torch.device):
+def load_split(cfg: Config, device: torch.device, filesystem: Optional[pafs.FileSystem] = None):
     """Decoded train/val splits as uint8 (N, 3, S, S) images and int64 labels on ``device``.
 
     Every image is decoded once, up front, and held as uint8 (N x 3 x S x S bytes; about 150 kB per
     image at 224 px) so that steps pay only a gather and a normalisation. For datasets that do not fit,
-    use the Ray Data path. Returns ``((train_x, train_y), val_or_None, num_classes)``.
+    use the Ray Data path. ``filesystem``: see :func:`parquet_files`. Returns
+    ``((train_x, train_y), val_or_None, num_classes)``.
     """
     d, size = cfg.data, cfg.model.image_size
 
     def load(path: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        table = read_table(path, cfg, key)
+        table = read_table(path, cfg, key, filesystem=filesystem)
         labels = _labels(table, d.label_column, key)
         images = decode_images(table.column(d.image_column).to_pylist(), size)
         return torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
 
-    info = parquet_info(cfg)
+    info = parquet_info(cfg, filesystem)
     train = load(d.path, "data.path")
     if d.val_path:
         val = load(d.val_path, "data.val_path")
@@ -177,9 +251,11 @@ def load_split(cfg: Config, device: torch.device):
 
 
 def with_absolute_paths(cfg: Config) -> Config:
-    """A copy of ``cfg`` whose data paths are absolute (resolve on the driver before shipping to workers)."""
-    overrides = {f"data.{key}": os.path.abspath(getattr(cfg.data, key))
-                 for key in ("path", "val_path") if getattr(cfg.data, key)}
+    """A copy of ``cfg`` whose local data paths are absolute (resolve on the driver before shipping to
+    workers); URIs are left as they are."""
+    overrides = {f"data.{key}": os.path.abspath(os.path.expanduser(getattr(cfg.data, key)))
+                 for key in ("path", "val_path")
+                 if getattr(cfg.data, key) and not is_uri(getattr(cfg.data, key))}
     return cfg.replace(overrides) if overrides else cfg
 
 
@@ -190,25 +266,29 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
             "label": np.asarray(batch[label_column], dtype=np.int64)}
 
 
-def ray_datasets(cfg: Config) -> dict[str, "ray.data.Dataset"]:
+def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> dict[str, "ray.data.Dataset"]:
     """Ray Datasets for ``TorchTrainer(datasets=...)``: ``"train"``, and ``"val"`` when there is one.
 
     Rows come out decoded and resized as uint8 ``image`` (3, S, S) and int64 ``label``; normalisation
     to float32 happens on the worker's device in :func:`shard_train_batches` (4x less data through the
-    object store and host-to-device copies than float32). Paths are made absolute here because Train
-    workers run in another directory. The class count is checked here, before any worker starts.
+    object store and host-to-device copies than float32). Data paths are local paths or URIs that
+    ``pyarrow.fs`` opens (``s3://``, ``gs://``, ``hdfs://``, ``file://``), or paths inside ``filesystem``;
+    they are resolved here, on the driver, to a filesystem and a list of files that the read tasks use
+    as they are (local paths absolute: Train workers run in another directory). Missing files, columns,
+    credentials or too many classes are reported here, before any worker starts.
     """
     import ray.data
     from ray.data import FileShuffleConfig
 
     d = cfg.data
-    info = parquet_info(cfg)  # fails fast on missing files, columns or too many classes
+    info = parquet_info(cfg, filesystem)  # fails fast on missing files, columns or too many classes
     decode = dict(fn_kwargs=dict(image_column=d.image_column, label_column=d.label_column,
                                  image_size=cfg.model.image_size), batch_format="numpy")
 
     def read(path: str, key: str, **kwargs: Any) -> "ray.data.Dataset":
-        return ray.data.read_parquet(parquet_files(path, key), columns=[d.image_column, d.label_column],
-                                     **kwargs)
+        source = parquet_files(path, key, filesystem)
+        return ray.data.read_parquet(source.files, filesystem=source.filesystem,
+                                     columns=[d.image_column, d.label_column], **kwargs)
 
     if d.val_path:
         # File order is reshuffled every epoch (seeded; a new seed per execution).

@@ -155,6 +155,41 @@ def test_parquet_batches_are_normalised_and_resized(digits_parquet, tmp_path):
     assert sum(len(y) for _, y in data.val_batches()) == 297
 
 
+def test_parquet_reads_through_pyarrow_filesystems(digits_parquet):
+    """A file:// URI, and a path inside a pyarrow SubTreeFileSystem, read the same rows as the plain path."""
+    import pyarrow.fs as pafs
+
+    first = next(build_data(config("data.name=parquet", f"data.path={digits_parquet}"), CPU).train)[0]
+    uri = build_data(config("data.name=parquet", f"data.path={digits_parquet.as_uri()}"), CPU)
+    subtree = pafs.SubTreeFileSystem(str(digits_parquet.parent), pafs.LocalFileSystem())
+    inside = build_data(config("data.name=parquet", f"data.path={digits_parquet.name}"), CPU,
+                        filesystem=subtree)
+    for data in (uri, inside):
+        assert (data.num_train, data.num_val, data.num_classes) == (1437, 360, 10)
+        assert torch.equal(next(data.train)[0], first)
+    # A URI stays a URI for the workers; only local paths are made absolute.
+    assert with_absolute_paths(config("data.name=parquet", f"data.path={digits_parquet.as_uri()}")
+                               ).data.path == digits_parquet.as_uri()
+
+
+def test_parquet_path_errors_name_the_path_and_what_failed(digits_parquet, tmp_path):
+    def error(path, **kwargs):
+        with pytest.raises(ConfigError) as e:
+            build_data(config("data.name=parquet", f"data.path={path}"), CPU, **kwargs)
+        return str(e.value)
+
+    missing = (tmp_path / "nope").as_uri()
+    assert error(missing) == f"data.path={missing} does not exist"
+    assert error("nope/train").startswith("data.path=nope/train does not exist (relative to ")
+    assert "pyarrow cannot open it (Unrecognized filesystem type in URI" in error("foo://bucket/train")
+    (tmp_path / "empty").mkdir()
+    assert error((tmp_path / "empty").as_uri()) == f"data.path={(tmp_path / 'empty').as_uri()} is a folder " \
+                                                   "with no .parquet files"
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    text = error(tmp_path / "broken.parquet")
+    assert text.startswith(f"data.path={tmp_path / 'broken.parquet'}: cannot read the schema of ")
+
+
 def test_to_parquet_cli_errors_and_help(tmp_path, capsys):
     from rayvit.cli import main
 
