@@ -25,6 +25,8 @@ Checks, each PASS or FAIL with its reason:
   compile      (--compile) a torch.compile'd training run, same criteria
   nvml         a training run's NVML sampler reports utilisation and power over its timed window, and
                peak allocated <= reserved memory, per rank and as the run's figures
+  profile      the hardware profile the in-sweep projection picks for this GPU (its name and memory
+               size): a GPU profile, never the CPU one, holding the device's memory
 Then the ladder (rayvit.studies.plan.plan_ladder) at world size 1: baseline (DDP, amp or fp32, token
 classifier, batch-first, loop AdamW, 224 px) -> +mixed precision -> +FSDP -> +MTA optimizer ->
 +pooled classifier -> +batch-second -> +256 px -> +full half precision, with per-chip TFLOPS, MFU
@@ -387,6 +389,30 @@ def check_nvml_sampler(device) -> str:
             f"{m['peak_memory_reserved_bytes_per_rank'] / 2**20:.0f} MiB reserved")
 
 
+def check_profile(device) -> str:
+    """The projection's hardware profile for this GPU, as a sweep picks it: never the CPU profile, and
+    (for a chip with a profile of its own) the device's memory size within 5%."""
+    import warnings
+
+    import torch
+
+    from rayvit.projection.profiles import UnknownAcceleratorWarning, profile_for_accelerator
+    from rayvit.worker.hardware import accelerator_name
+
+    name = accelerator_name(device)
+    memory = torch.cuda.get_device_properties(device).total_memory
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile = profile_for_accelerator(name, memory)
+    unknown = any(issubclass(w.category, UnknownAcceleratorWarning) for w in caught)
+    facts = f"{name}, {memory / 2**30:.1f} GiB -> {profile.name} ({profile.source})"
+    if profile.accelerator is None or profile.overlap < 0.5:
+        raise RuntimeError(f"a GPU projected with a CPU profile: {facts}")
+    if not unknown and abs(profile.memory_gib * 2**30 / memory - 1) > 0.05:
+        raise RuntimeError(f"the profile's memory ({profile.memory_gib:g} GiB) is not the device's: {facts}")
+    return facts + ("; no profile of its own: add one to rayvit.projection.profiles" if unknown else "")
+
+
 def check_activation_memory(device, mode: str) -> str:
     """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch."""
     from rayvit.projection.memcheck import allocator_check
@@ -438,6 +464,7 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
     checks.append(("decay fairscale_fsdp flat params", partial(check_fairscale_weight_decay, device)))
     checks.append(("flash attention (SDPA)", partial(check_flash, device)))
     checks.append(("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)))
+    checks.append(("projection hardware profile", partial(check_profile, device)))
     for mode in ("fp32", "amp", "mixed", "pure"):
         checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
     if compile_:

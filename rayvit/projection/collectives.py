@@ -235,6 +235,12 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
              "collectives": {k: {**fit_link(p, k, n), "points": p, "aligned_points": aligned[k]}
                              for k, p in points.items()},
              "seconds": time.perf_counter() - start}
+    if device.type == "cuda":
+        # What picks the hardware profile: the chip (rayvit.worker.hardware's name) and its memory size.
+        from rayvit.worker.hardware import accelerator_name
+
+        links.update(device_name=accelerator_name(device),
+                     device_memory_bytes=int(torch.cuda.get_device_properties(device).total_memory))
     return links if dist.get_rank() == 0 else {}
 
 

@@ -41,8 +41,12 @@ def describe_measured(links: dict, where: str) -> str:
 
 def sweep_profile(cfg, rows: list[dict], links: Optional[dict]) -> HardwareProfile:
     if cfg.parallel.use_gpu:
-        accelerator = next((r.get("accelerator") for r in rows if r.get("accelerator")), None)
-        profile = profile_for_accelerator(accelerator)
+        # Never the CPU profile on GPUs: a chip without a profile of its own gets a generic GPU's, with
+        # the memory the microbenchmark read from the device.
+        measured = links or {}
+        accelerator = (next((r.get("accelerator") for r in rows if r.get("accelerator")), None)
+                       or measured.get("device_name") or "unknown GPU")
+        profile = profile_for_accelerator(accelerator, measured.get("device_memory_bytes"))
     else:
         profile = cpu_profile(chips_per_node=max(2, cfg.parallel.num_workers))
     return with_measured_links(profile, links) if links else profile

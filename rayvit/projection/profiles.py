@@ -9,11 +9,17 @@ A ring across nodes is bound by each node's network bandwidth, so the inter-node
 total; a collective over more chips than a node holds runs at the slower of NVLink and that.
 
 Every efficiency below is a stated assumption, not fitted to any measurement of rayvit.
+
+:func:`profile_for_accelerator` picks the profile for a run's ``accelerator`` condition (the names
+``rayvit.worker.hardware.accelerator_for_name`` returns): every known GPU variant has its own, the A100
+and V100 chosen by their memory size; a GPU not in the table gets :func:`generic_gpu_profile` with a
+warning; only CPU runs get :func:`cpu_profile`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,12 +43,13 @@ class Link:
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    accelerator: Optional[str]          # key of rayvit.worker.hardware.PEAK_TFLOPS, None for CPUs
+    accelerator: Optional[str]          # key of rayvit.worker.hardware.PEAK_TFLOPS (or an unknown GPU's
+                                        # name, no peak), None for CPUs
     memory_gib: float                   # device memory per chip
     memory_bw: float                    # device memory bandwidth, bytes/s (bounds the optimizer step)
     chips_per_node: int
-    intra: Link                         # inside a node (NVLink/NVSwitch, or shared memory for CPUs)
-    inter: Link                         # between nodes (EFA / InfiniBand)
+    intra: Link                         # inside a node (NVLink/NVSwitch, PCIe, or shared memory for CPUs)
+    inter: Link                         # between nodes (EFA / InfiniBand / Ethernet)
     # Fraction of the dense peak a ViT training step reaches when no single-chip rate was measured.
     compute_efficiency: float = 0.45
     # Fraction of forward/backward compute time that can hide communication issued during it
@@ -61,6 +68,10 @@ class HardwareProfile:
     measured: dict = field(default_factory=dict)
     measured_nodes: int = 0
     source: str = ""
+    # PCIe cards joined by an NVLink bridge (H100 NVL pairs, H200 NVL up to four): a collective over at
+    # most ``bridge_chips`` chips runs over the bridge; larger ones over ``intra`` (PCIe).
+    bridge: Optional[Link] = None
+    bridge_chips: int = 0
 
     def peak_flops(self, dtype_key: str) -> Optional[float]:
         """Dense peak FLOP/s for 'fp32' / 'tf32' / 'fp16' / 'bf16', from ``PEAK_TFLOPS`` (None for CPUs)."""
@@ -79,6 +90,8 @@ class HardwareProfile:
         measured_spans = "inter" if self.measured_nodes > 1 else "intra"
         if collective in self.measured and spans == measured_spans:
             return self.measured[collective]
+        if self.bridge is not None and chips <= self.bridge_chips:
+            return self.bridge
         if nodes == 1:
             return self.intra
         slow = self.inter if self.inter.busbw < self.intra.busbw else self.intra
@@ -119,8 +132,29 @@ _NVLINK_A100 = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink 3: 300 GB/s each way 
 _NVLINK_H = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink 4: 450 GB/s each way x 0.75")
 _EFA_P4 = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s EFA per node x 0.8")
 _IB_8X400 = Link(400 * GB * _NET_EFF, 40e-6, "8 x 400 Gb/s InfiniBand per node x 0.8")
+# V100 SXM2: NVLink 2, 6 links x 25 GB/s each way = 150 GB/s each way per GPU in the hybrid cube-mesh of
+# p3 / DGX-1 ("NVIDIA Tesla V100 GPU Architecture" whitepaper). AWS p3.16xlarge: 25 Gb/s networking,
+# p3dn.24xlarge: 100 Gb/s (AWS EC2 P3 instance page).
+_NVLINK_V100 = Link(150 * GB * _NVLINK_EFF, 20e-6, "NVLink 2 hybrid cube-mesh: 150 GB/s each way x 0.75")
+_ENA_P3 = Link(25 / 8 * GB * _NET_EFF, 50e-6, "25 Gb/s per node (p3.16xlarge) x 0.8")
+_EFA_P3DN = Link(100 / 8 * GB * _NET_EFF, 50e-6, "100 Gb/s EFA per node (p3dn.24xlarge) x 0.8")
+# PCIe cards (H100 PCIe, H100 NVL, H200 NVL): PCIe Gen5 x16, 128 GB/s both ways = 64 GB/s each way (the
+# data sheets); a ring over the cards of one server crosses PCIe switches and, often, the CPU's root
+# complexes, so the same 0.75 is assumed. The NVL cards' NVLink bridges: H100 NVL 600 GB/s per pair
+# (300 each way), H200 NVL 900 GB/s (450 each way) over a 2- or 4-way bridge (H100 / H200 data sheets).
+# PCIe servers have no standard network: 4 x 100 Gb/s is assumed, as on p4d; the sweep's
+# microbenchmark replaces it with what the cluster measures.
+_PCIE_GEN5 = Link(64 * GB * _NVLINK_EFF, 25e-6, "PCIe Gen5 x16: 64 GB/s each way x 0.75")
+_BRIDGE_H100_NVL = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H100 NVL pair): 300 GB/s each way x 0.75")
+_BRIDGE_H200_NVL = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H200 NVL, 4-way): 450 GB/s each way x 0.75")
+_NET_PCIE_SERVER = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s per node x 0.8 (assumed)")
 
 PROFILES: dict[str, HardwareProfile] = {
+    # V100 SXM2 16 / 32 GB: HBM2 900 GB/s (V100 data sheet); AWS p3.16xlarge / p3dn.24xlarge, 8 GPUs.
+    "v100-16gb": HardwareProfile("v100-16gb", "V100", 16.0, 900 * GB, 8, _NVLINK_V100, _ENA_P3,
+                                 source="V100 SXM2 16GB on AWS p3.16xlarge"),
+    "v100-32gb": HardwareProfile("v100-32gb", "V100", 32.0, 900 * GB, 8, _NVLINK_V100, _EFA_P3DN,
+                                 source="V100 SXM2 32GB on AWS p3dn.24xlarge"),
     # A100 40 GB SXM4: HBM2 1,555 GB/s (A100 data sheet); AWS p4d.24xlarge: 8 GPUs, NVSwitch, 400 Gb/s EFA.
     "a100-40gb": HardwareProfile("a100-40gb", "A100", 40.0, 1555 * GB, 8, _NVLINK_A100, _EFA_P4,
                                  source="A100 SXM4 40GB on AWS p4d.24xlarge"),
@@ -130,10 +164,37 @@ PROFILES: dict[str, HardwareProfile] = {
     # H100 SXM5 80 GB: HBM3 3.35 TB/s (H100 data sheet); DGX H100: 8 x 400 Gb/s InfiniBand.
     "h100-sxm": HardwareProfile("h100-sxm", "H100", 80.0, 3350 * GB, 8, _NVLINK_H, _IB_8X400,
                                 source="H100 SXM5 80GB, DGX H100 fabric"),
+    # H100 PCIe 80 GB: HBM2e 2 TB/s (H100 PCIe data sheet); 8 cards on PCIe Gen5, no NVLink bridges.
+    "h100-pcie": HardwareProfile("h100-pcie", "H100 PCIe", 80.0, 2000 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
+                                 source="H100 PCIe 80GB, 8 cards on PCIe Gen5"),
+    # H100 NVL 94 GB: HBM3 3.9 TB/s (H100 data sheet, NVL column); 8 cards, NVLink-bridged in pairs.
+    "h100-nvl": HardwareProfile("h100-nvl", "H100 NVL", 94.0, 3900 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
+                                bridge=_BRIDGE_H100_NVL, bridge_chips=2,
+                                source="H100 NVL 94GB, 8 cards on PCIe Gen5, NVLink bridge per pair"),
     # H200 SXM 141 GB: HBM3e 4.8 TB/s (H200 data sheet); DGX H200: 8 x 400 Gb/s InfiniBand.
     "h200": HardwareProfile("h200", "H200", 141.0, 4800 * GB, 8, _NVLINK_H, _IB_8X400,
                             source="H200 SXM 141GB, DGX H200 fabric"),
+    # H200 NVL 141 GB: HBM3e 4.8 TB/s (H200 data sheet, NVL column); 8 cards, 4-way NVLink bridges.
+    "h200-nvl": HardwareProfile("h200-nvl", "H200 NVL", 141.0, 4800 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
+                                bridge=_BRIDGE_H200_NVL, bridge_chips=4,
+                                source="H200 NVL 141GB, 8 cards on PCIe Gen5, 4-way NVLink bridges"),
 }
+
+# The profiles of each ``PEAK_TFLOPS`` chip, by the smallest device memory (GiB) each is chosen from:
+# CUDA reports a little less than the marketed size (an A100 80GB has 79.2 GiB).
+_BY_CHIP: dict[str, list[tuple[float, str]]] = {
+    "V100": [(0.0, "v100-16gb"), (24.0, "v100-32gb")],
+    "A100": [(0.0, "a100-40gb"), (60.0, "a100-80gb")],
+    "H100": [(0.0, "h100-sxm")],
+    "H100 PCIe": [(0.0, "h100-pcie")],
+    "H100 NVL": [(0.0, "h100-nvl")],
+    "H200": [(0.0, "h200")],
+    "H200 NVL": [(0.0, "h200-nvl")],
+}
+
+
+class UnknownAcceleratorWarning(UserWarning):
+    """A GPU without a profile of its own is projected with :func:`generic_gpu_profile`."""
 
 
 def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_node: int = 2) -> HardwareProfile:
@@ -142,7 +203,7 @@ def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_n
     Overlap is 0: a worker with one core runs gloo's transfer and its compute on that same core.
     The per-tensor optimizer cost is Python/dispatcher overhead on CPU (tens of microseconds).
     """
-    gloo = Link(0.7 * GB, 1e-3, "gloo on one host (FACTS.md: 0.6-0.9 GB/s, ~1 ms)")
+    gloo = Link(0.7 * GB, 1e-3, "gloo on one host (measured on a 2-core host: 0.6-0.9 GB/s, ~1 ms)")
     # compute_efficiency: share of a 1024^2 matmul's rate a tiny ViT's step reaches on one core (its
     # matmuls are small and its elementwise work uncounted); 0.3 is assumed, used only when no
     # single-chip rate was measured.
@@ -150,6 +211,21 @@ def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_n
                            compute_efficiency=0.3, overlap=0.0,
                            per_tensor_s={"loop": 60e-6, "foreach": 30e-6, "fused": 30e-6},
                            reserved_gib=0.0, fragmentation=0.0, source="local CPU workers, gloo")
+
+
+def generic_gpu_profile(name: str, memory_bytes: Optional[float] = None) -> HardwareProfile:
+    """A GPU the profiles do not know: its own memory size, conservative links until the sweep's
+    microbenchmark measures them (:func:`with_measured_links`), no peak (a measured rate is needed).
+
+    Stated assumptions: 8 cards per node on PCIe Gen4 x16 (32 GB/s each way x 0.75), 100 Gb/s of network
+    per node, 1 TB/s of memory bandwidth, 16 GiB when the memory size is not known; GPU overlap (0.9).
+    """
+    pcie4 = Link(32 * GB * _NVLINK_EFF, 25e-6, "PCIe Gen4 x16: 32 GB/s each way x 0.75 (assumed)")
+    net = Link(100 / 8 * GB * _NET_EFF, 50e-6, "100 Gb/s per node x 0.8 (assumed)")
+    memory_gib = memory_bytes / GIB if memory_bytes else 16.0
+    return HardwareProfile("gpu", name, memory_gib, 1000 * GB, 8, pcie4, net,
+                           source=f"{name}: generic GPU profile ({memory_gib:.0f} GiB"
+                                  f"{'' if memory_bytes else ', assumed'}; links and memory bandwidth assumed)")
 
 
 def get_profile(name: str) -> HardwareProfile:
@@ -162,9 +238,22 @@ def get_profile(name: str) -> HardwareProfile:
                        f"{', '.join([*PROFILES, 'cpu'])}") from None
 
 
-def profile_for_accelerator(accelerator: Optional[str]) -> HardwareProfile:
-    """The profile for a measured run's ``accelerator`` condition ('A100', 'H100', 'cpu', ...)."""
-    by_chip = {"A100": "a100-40gb", "H100": "h100-sxm", "H200": "h200"}
-    if accelerator in by_chip:
-        return PROFILES[by_chip[accelerator]]
-    return cpu_profile()
+def profile_for_accelerator(accelerator: Optional[str], memory_bytes: Optional[float] = None) -> HardwareProfile:
+    """The profile for a measured run's ``accelerator`` condition ('A100', 'H100 NVL', 'cpu', ...).
+
+    ``memory_bytes``: the device's memory (``torch.cuda.get_device_properties(d).total_memory``), which
+    tells an A100 40 GB from an 80 GB and a V100 16 GB from a 32 GB (without it: the smaller). Any other
+    GPU name gets :func:`generic_gpu_profile` and an :class:`UnknownAcceleratorWarning`; ``None`` or
+    ``'cpu'`` the CPU profile.
+    """
+    if accelerator is None or accelerator.lower() == "cpu":
+        return cpu_profile()
+    choices = _BY_CHIP.get(accelerator)
+    if choices:
+        gib = memory_bytes / GIB if memory_bytes else 0.0
+        return PROFILES[[name for least, name in choices if gib >= least][-1]]
+    profile = generic_gpu_profile(accelerator, memory_bytes)
+    warnings.warn(f"no hardware profile for GPU {accelerator!r}: projecting with a generic GPU profile "
+                  f"({profile.source}); add the chip to rayvit.worker.hardware.PEAK_TFLOPS and a profile to "
+                  f"rayvit.projection.profiles for figures of its own", UnknownAcceleratorWarning, stacklevel=2)
+    return profile

@@ -142,6 +142,75 @@ def test_measured_links_override_the_profile_within_their_span():
     assert profile.link("all_gather", 64).busbw == 40e9          # not measured: EFA, 50 GB/s x 0.8
 
 
+# Every name rayvit.worker.hardware.accelerator_for_name returns (the PEAK_TFLOPS keys), reached from
+# the CUDA device names the chips report, with their memory as CUDA gives it (bytes).
+DEVICES = [("Tesla V100-SXM2-16GB", 16.9e9, "V100", "v100-16gb"), ("Tesla V100-SXM2-32GB", 34.1e9, "V100", "v100-32gb"),
+           ("NVIDIA A100-SXM4-40GB", 42.3e9, "A100", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 85.1e9, "A100", "a100-80gb"),
+           ("NVIDIA A100 80GB PCIe", 85.1e9, "A100", "a100-80gb"), ("NVIDIA H100 80GB HBM3", 85.0e9, "H100", "h100-sxm"),
+           ("NVIDIA H100 PCIe", 85.0e9, "H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", 99.9e9, "H100 NVL", "h100-nvl"),
+           ("NVIDIA H200", 150.1e9, "H200", "h200"), ("NVIDIA H200 NVL", 150.1e9, "H200 NVL", "h200-nvl")]
+
+
+@pytest.mark.parametrize("device_name, memory_bytes, accelerator, profile_name", DEVICES)
+def test_every_known_gpu_variant_has_a_profile_of_its_own(device_name, memory_bytes, accelerator, profile_name):
+    import warnings
+
+    from rayvit.projection.profiles import profile_for_accelerator
+    from rayvit.worker.hardware import PEAK_TFLOPS, accelerator_for_name
+
+    assert accelerator_for_name(device_name) == accelerator
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                     # a known chip is never "unknown"
+        profile = profile_for_accelerator(accelerator, memory_bytes)
+    assert profile.name == profile_name and profile.accelerator == accelerator
+    assert profile.peak_flops("bf16") == PEAK_TFLOPS[accelerator]["bf16"] * 1e12
+    assert profile.memory_gib == pytest.approx(memory_bytes / 2 ** 30, rel=0.05)   # the device's size
+    assert profile.overlap == 0.9 and profile.chips_per_node == 8 and profile.reserved_gib > 0
+    # Without a memory size, the A100 and V100 fall back to their smaller variant.
+    assert profile_for_accelerator(accelerator).accelerator == accelerator
+
+
+def test_every_accelerator_name_is_covered_and_variants_differ():
+    from rayvit.projection.profiles import PROFILES, profile_for_accelerator
+    from rayvit.worker.hardware import PEAK_TFLOPS
+
+    assert {d[2] for d in DEVICES} == set(PEAK_TFLOPS)
+    assert {d[3] for d in DEVICES} == set(PROFILES)
+    assert profile_for_accelerator("A100", 42.3e9).name == "a100-40gb"
+    assert profile_for_accelerator("A100", 85.1e9).memory_bw > profile_for_accelerator("A100", 42.3e9).memory_bw
+    sxm, pcie, nvl = (get_profile(n) for n in ("h100-sxm", "h100-pcie", "h100-nvl"))
+    assert sxm.link("all_reduce", 8).busbw > nvl.link("all_reduce", 8).busbw == pcie.link("all_reduce", 8).busbw
+    # The NVL cards' NVLink bridges carry collectives within a bridged pair (H100 NVL) or four (H200 NVL).
+    assert nvl.link("all_gather", 2).busbw == 225e9 and nvl.link("all_gather", 4).busbw == 48e9
+    assert get_profile("h200-nvl").link("all_gather", 4).busbw == 337.5e9
+    assert profile_for_accelerator("cpu").name == profile_for_accelerator(None).name == "cpu"
+
+
+def test_an_unknown_gpu_gets_a_generic_gpu_profile_with_a_warning_never_the_cpu_one():
+    from rayvit.projection.insweep import sweep_profile
+    from rayvit.projection.profiles import UnknownAcceleratorWarning, profile_for_accelerator
+
+    with pytest.warns(UnknownAcceleratorWarning, match="'NVIDIA L4'"):
+        profile = profile_for_accelerator("NVIDIA L4", 24.0 * 2 ** 30)
+    assert profile.name == "gpu" and profile.accelerator == "NVIDIA L4" and profile.memory_gib == 24.0
+    assert profile.overlap == 0.9 and profile.peak_flops("bf16") is None and profile.reserved_gib > 0
+
+    # In a sweep: the device's memory and the links the microbenchmark measured.
+    cfg = load_config(overrides=["parallel.use_gpu=true", "parallel.num_workers=2"])
+    links = {"backend": "nccl", "world_size": 2, "nodes": 1, "device_name": "NVIDIA L4",
+             "device_memory_bytes": 23.6 * 2 ** 30, "memory_bw": 250e9,
+             "collectives": {"all_reduce": {"latency_s": 3e-5, "busbw": 20e9}}}
+    with pytest.warns(UnknownAcceleratorWarning):
+        profile = sweep_profile(cfg, [{"accelerator": "NVIDIA L4"}], links)
+    assert profile.name == "gpu" and profile.memory_gib == pytest.approx(23.6) and profile.memory_bw == 250e9
+    assert profile.link("all_reduce", 2).busbw == 20e9
+    # A GPU sweep with nothing known about its chip yet is still projected as a GPU.
+    with pytest.warns(UnknownAcceleratorWarning):
+        assert sweep_profile(cfg, [], None).overlap == 0.9
+    assert sweep_profile(cfg, [{"accelerator": "A100"}], {**links, "device_name": "A100",
+                                                           "device_memory_bytes": 85.1e9}).name == "a100-80gb"
+
+
 def test_fit_link_recovers_latency_and_bus_bandwidth():
     n, latency, busbw = 4, 2e-4, 3e9
     points = [[b, latency + comms.bus_factor("all_gather", n) * b / busbw] for b in (2 ** 16, 2 ** 20, 2 ** 24)]
