@@ -562,6 +562,14 @@ def _validate_parallel(cfg: Config) -> None:
             "fails on CPU); set parallel.use_gpu=true on a GPU cluster, or use parallel.strategy=fsdp "
             "(PyTorch FSDP2), which runs on CPU too")
     _validate_strategy_precision(p, cfg.precision)
+    if cfg.optim.impl == "fused":
+        # Decided here, before any model is built or wrapped: torch's fused kernels per device, and under
+        # FSDP2 whether DTensor has a rule for the fused op.
+        from rayvit.worker.optim import fused_unavailable
+
+        why = fused_unavailable(cfg.optim.name, p.strategy, "cuda" if p.use_gpu else "cpu")
+        _check(why is None, f"optim.impl=fused with optim.name={cfg.optim.name} and parallel.strategy="
+                            f"{p.strategy}: {why}; use optim.impl=foreach")
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -58,19 +58,48 @@ def param_groups(model: nn.Module, weight_decay: float,
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+_FUSED_OPS = {"adamw": "_fused_adamw_", "adam": "_fused_adam_", "sgd": "_fused_sgd_"}
+
+
+def _dtensor_runs(op_name: str) -> bool:
+    """Whether DTensor (FSDP2's parameters) has a sharding rule for ``aten.<op_name>.default``."""
+    from torch.distributed.tensor import DTensor
+
+    op = getattr(torch.ops.aten, op_name).default
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # torch keeps its rules in several tables, by kind of rule; a table an older torch lacks is empty.
+    tables = ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules")
+    return any(op in getattr(propagator, table, {}) for table in tables)
+
+
+def fused_unavailable(name: str, strategy: str, device_type: str) -> Optional[str]:
+    """Why this torch cannot run ``optim.impl=fused`` for optimizer ``name`` under ``strategy`` on
+    ``device_type`` ('cpu', 'cuda'), or None when it can. Config validation asks, before anything is built.
+
+    Fused kernels exist per device (``torch.utils._foreach_utils``); under FSDP2 the parameters are
+    DTensors, which need a sharding rule for the fused op (torch registers Adam's and AdamW's, not SGD's).
+    """
+    supported = _get_fused_kernels_supported_devices()
+    if device_type not in supported:
+        return (f"torch {torch.__version__} has no fused {name} kernels for {device_type} "
+                f"(it has them for {', '.join(supported)})")
+    if strategy == "fsdp" and not _dtensor_runs(_FUSED_OPS[name]):
+        return (f"torch {torch.__version__} cannot run fused {name} on FSDP2's sharded (DTensor) parameters "
+                f"(no sharding rule for aten.{_FUSED_OPS[name]})")
+    return None
+
+
 def _impl_flags(impl: str, name: str, params: list[torch.Tensor]) -> dict:
     if impl == "loop":
         return {"foreach": False}
     if impl == "foreach":
         return {"foreach": True}
-    device_types = {p.device.type for p in params}
-    supported = set(_get_fused_kernels_supported_devices())
-    dtensor = any(type(p.data).__name__ == "DTensor" for p in params)
-    if not device_types <= supported or dtensor:
-        where = "sharded (DTensor) parameters" if dtensor else f"device {sorted(device_types)}"
-        raise ConfigError(
-            f"optim.impl=fused: torch {torch.__version__} has no fused {name} for {where} "
-            f"(fused kernels exist for {sorted(supported)}); use optim.impl=foreach")
+    # Validation refused what torch cannot run; this only guards optimizers built outside a Config.
+    strategy = "fsdp" if any(type(p.data).__name__ == "DTensor" for p in params) else ""
+    for device_type in sorted({p.device.type for p in params}):
+        why = fused_unavailable(name, strategy, device_type)
+        if why:
+            raise ConfigError(f"optim.impl=fused: {why}; use optim.impl=foreach")
     return {"fused": True}
 
 

@@ -95,6 +95,21 @@ def test_multi_tensor_and_fused_match_the_loop(name, impl):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=atol)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale_oss"])
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+def test_fused_optimizers_are_decided_when_the_config_loads(strategy, name):
+    """Where torch runs a fused kernel the config loads; where it does not (SGD over FSDP2's DTensors: no
+    sharding rule for aten._fused_sgd_) it is refused at load, before any model is built."""
+    overrides = [f"parallel.strategy={strategy}", f"optim.name={name}", "optim.impl=fused"]
+    if strategy == "fsdp" and name == "sgd":
+        with pytest.raises(ConfigError, match=r"optim.impl=fused with optim.name=sgd and parallel.strategy=fsdp: "
+                                              r"torch .* cannot run fused sgd on FSDP2's sharded \(DTensor\) "
+                                              r"parameters .*; use optim.impl=foreach"):
+            load_config(overrides=overrides)
+    else:
+        assert load_config(overrides=overrides).optim.impl == "fused"
+
+
 def test_weight_decay_groups_come_from_parameter_objects():
     model = build_model(load_config().model)
     decay, no_decay = param_groups(model, 0.1)
