@@ -200,6 +200,13 @@ class SweepConfig:
     rungs: list[str] = field(default_factory=lambda: list(LADDER_RUNGS))
     # Ladder mode: image size of the "image_256" rung (256 on GPUs; smaller for CPU ladders).
     ladder_image_size: int = 256
+    # Every point is trained this many times, in rounds interleaved with the other points at its worker
+    # count (A B C, B C A, C A B, ...); each figure is the median over rounds with a 95% interval.
+    rounds: int = 3
+    # true: the points at one worker count share one Ray Train worker group (placement, process group and
+    # data set up once; ratios compare points on the same workers). false: one Ray Train run per point,
+    # each running its own rounds (a point then never shares a process with another).
+    share_workers: bool = True
 
 
 @dataclass
@@ -607,6 +614,8 @@ def validate_sweep(s: SweepConfig) -> None:
     unknown = sorted(set(s.rungs) - set(LADDER_RUNGS))
     _check(not unknown, f"sweep.rungs has unknown {unknown}; allowed: {', '.join(LADDER_RUNGS)}")
     _check(s.ladder_image_size > 0, "sweep.ladder_image_size must be positive")
+    _check(1 <= s.rounds <= 100, f"sweep.rounds={s.rounds} must be between 1 and 100 (3 or more give an "
+           "interval that includes run-to-run spread)")
 
 
 def validate_search(q: SearchConfig) -> None:

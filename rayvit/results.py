@@ -13,6 +13,7 @@ METRIC_KEYS = (
     "images_per_sec_per_chip",
     "tflops_per_chip",             # analytic training FLOPs per image x images/s per chip / 1e12
     "mfu",                         # tflops_per_chip / the chip's dense peak for the dtype in use
+    "step_time_s",                 # mean timed step of the slowest rank (= batch / images_per_sec_per_chip)
     "step_time_p50_s",
     "step_time_p90_s",
     "model_state_bytes_per_rank",  # parameters + gradients + optimizer state actually held (max over ranks)
@@ -37,8 +38,14 @@ METRIC_KEYS = (
     "train_flops_per_image",
     "peak_tflops",                 # the MFU denominator used
     "timed_steps",
-    "wall_time_s",                 # the whole loop on rank 0, warm-up and evaluation included
+    "wall_time_s",                 # the whole loop on rank 0, warm-up and evaluation included (all rounds)
+    "rounds",                      # how many rounds the medians and intervals are taken over
 )
+# Figures that carry a 95% interval over rounds and timed blocks as ``<key>_lo`` / ``<key>_hi``
+# (rayvit.stats); each figure itself is then the median over rounds.
+from rayvit.stats import INTERVAL_KEYS  # noqa: E402
+
+IMAGENET_TRAIN_IMAGES = 1_281_167   # ImageNet-1K's training split, for epoch_time_imagenet_h
 
 # Figures kept per rank (RunResult.per_rank: one value per rank, rank 0 first, None where a rank has
 # none), absent when no rank has the figure. As a table column or MLflow metric: ``<name>_by_rank``
@@ -72,6 +79,11 @@ class RunResult:
     # The collective microbenchmark, measured on this run's own workers after training when the caller
     # asked for it (``fit(..., measure_links=...)``; rayvit.projection.collectives); else None.
     links: Optional[dict[str, Any]] = None
+    # The slowest rank's time of each timed step of this run (one round).
+    step_times: list[float] = field(default_factory=list)
+    # A point measured in several rounds (:meth:`of_rounds`): each round's ``round`` (0-based), ``slot``
+    # (its position in the round's order), ``step_times``, ``images_per_sec_per_chip``, ``final_loss``.
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         if key in self.metrics:
@@ -94,3 +106,41 @@ class RunResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunResult":
         return cls(**data)
+
+    @classmethod
+    def of_rounds(cls, results: list["RunResult"], places: Optional[list[tuple[int, int]]] = None) -> "RunResult":
+        """One point's result from its rounds' results (``places``: each round's (round, slot)).
+
+        Throughput figures become the median over rounds with their 95% interval (``<key>_lo``,
+        ``<key>_hi``; :mod:`rayvit.stats`); step-time percentiles are over every round's timed steps;
+        memory is the worst round's; everything else (loss, accuracy, history, per-rank lists) is the
+        last round's, each round being the same training run from the same seed.
+        """
+        from rayvit import stats
+        from rayvit.worker.metrics import step_time_percentiles
+
+        if not results:
+            raise ValueError("a point needs at least one round")
+        places = places or [(i, 0) for i in range(len(results))]
+        last = results[-1]
+        rounds = [{"round": r, "slot": slot, "step_times": list(res.step_times),
+                   "images_per_sec_per_chip": res.metrics.get("images_per_sec_per_chip"),
+                   "final_loss": res.metrics.get("final_loss"), "wall_time_s": res.metrics.get("wall_time_s")}
+                  for res, (r, slot) in zip(results, places)]
+        metrics = dict(last.metrics)
+        for key in ("model_state_bytes_per_rank", "peak_memory_bytes_per_rank", "peak_memory_reserved_bytes_per_rank"):
+            values = [res.metrics[key] for res in results if res.metrics.get(key) is not None]
+            if values:
+                metrics[key] = max(values)
+        every_step = [t for res in results for t in res.step_times]
+        metrics.update(step_time_percentiles(every_step))
+        metrics["timed_steps"] = float(len(every_step))
+        metrics["wall_time_s"] = sum(res.metrics.get("wall_time_s", 0.0) for res in results)
+        metrics.update(stats.intervals(rounds, metrics, last.conditions))
+        if metrics.get("images_per_sec"):
+            metrics["epoch_time_imagenet_h"] = IMAGENET_TRAIN_IMAGES / metrics["images_per_sec"] / 3600
+        return cls(metrics=metrics, conditions=dict(last.conditions), history=list(last.history),
+                   evals=list(last.evals), config=dict(last.config), restarts=last.restarts,
+                   per_rank=dict(last.per_rank), links=last.links, step_times=list(last.step_times),
+                   rounds=rounds)
+

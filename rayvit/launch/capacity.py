@@ -507,8 +507,9 @@ def _wait(cfg, demand: Demand, cluster: Cluster, out: Callable[[str], None], pol
 def waiting(fit: Callable[..., Any], out: Callable[[str], None] = print) -> Callable[..., Any]:
     """``fit`` wrapped in :func:`capacity_for`: each call waits for its nodes, then runs."""
 
-    def run(cfg, **kwargs):
-        with capacity_for(cfg, out):
-            return fit(cfg, **kwargs)
+    def run(cfg, *args, **kwargs):
+        # A worker group's configs (fit_group) share one worker count and resources: the first speaks for all.
+        with capacity_for(cfg[0] if isinstance(cfg, (list, tuple)) else cfg, out):
+            return fit(cfg, *args, **kwargs)
 
     return run

@@ -41,16 +41,31 @@ class StepPoster:
         self.interval_s = interval_s
         self._next = 0.0
 
-    def __call__(self, session: "Session") -> None:
+    def __call__(self, session: "Session", **where: Any) -> None:
         last = session.step >= session.cfg.train.steps
         if session.rank != 0 or (time.monotonic() < self._next and not last):
             return
         self._next = time.monotonic() + self.interval_s
         window = session.step_times[-10:]
         self.board.post.remote({
+            "kind": "step", **where,
             "step": session.step, "steps": session.cfg.train.steps, "loss": session.history[-1]["loss"],
             "restarts": session.restarts, "time": time.time(),
             "images_per_sec_per_chip": session.cfg.train.batch_size * len(window) / sum(window) if window else None})
+
+    def step_of_group(self, session: "Session", index: int, round: int) -> None:
+        """A step of the group's config ``index`` in ``round`` (:func:`rayvit.worker.rounds.measure_rounds`)."""
+        self(session, index=index, round=round)
+
+    def round_of_group(self, index: int, round: int, slot: int, result: Optional[dict], error: Optional[str]) -> None:
+        """Config ``index`` finished (or failed in) ``round``: its result travels to the driver now, so a
+        group that dies later keeps the rounds that finished."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        self.board.post.remote({"kind": "round", "index": index, "round": round, "slot": slot,
+                                "result": result, "error": error, "time": time.time()})
 
 
 class ProgressChannel:
@@ -59,6 +74,9 @@ class ProgressChannel:
     def __init__(self, on_progress: Callable[[Item], None], interval_s: float = 0.5) -> None:
         # No CPU: it must never take a CPU from the training workers (nor need one on a 0-CPU head).
         self.board = ray.remote(num_cpus=0)(_Board).remote()
+        # Wait until its process is up: started later, its start-up (a Python process importing Ray)
+        # would compete with the first timed steps for the CPUs.
+        ray.get(self.board.take.remote())
         self.on_progress = on_progress
         self.interval_s = interval_s
         self._stop = threading.Event()

@@ -17,10 +17,12 @@ Requests the cluster can never satisfy, and checkpointing runs without storage e
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import ray
@@ -70,7 +72,12 @@ def check_cluster_fits(cfgs: list[Config]) -> list:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}``. Returns the summary dict."""
+    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}``. Returns the summary dict.
+
+    With ``config["group"]`` (a list of config dicts) and ``config["rounds"]``, the workers measure every
+    config of the group in interleaved rounds instead (:func:`rayvit.worker.rounds.measure_rounds`) and
+    return ``{"group": [one entry per config]}``.
+    """
     cfg = from_dict(config["rayvit"])
     device = ray.train.torch.get_device() if cfg.parallel.use_gpu else torch.device("cpu")
     shards = {}
@@ -79,6 +86,22 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             shards[name] = ray.train.get_dataset_shard(name)
         except (KeyError, ValueError, RuntimeError):
             shards[name] = None
+    shards = shards if shards["train"] is not None else None
+    if config.get("group") is not None:
+        from rayvit.worker.rounds import measure_rounds
+
+        poster = config.get("progress")
+        out: dict[str, Any] = {"group": measure_rounds(
+            [from_dict(c) for c in config["group"]], config["rounds"], device=device, dataset_shards=shards,
+            on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None)}
+    else:
+        out = _train_one(cfg, config, device, shards).to_dict()
+    if config.get("links") is not None:
+        out["links"] = _measure_links(cfg, config)
+    return out
+
+
+def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards: Optional[dict]) -> RunResult:
     t = cfg.train
 
     def report(metrics: dict, session: Session) -> None:
@@ -102,24 +125,35 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     checkpoint = ray.train.get_checkpoint()
     with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
-        result = train(cfg, device=device, dataset_shards=shards if shards["train"] is not None else None,
-                       report=report, resume_from=resume_from, on_step=config.get("progress"))
-    if config.get("links") is not None:
-        # After training, outside every timed step, on these very workers: no second worker group.
-        from rayvit.projection.collectives import worker_benchmark
+        return train(cfg, device=device, dataset_shards=shards, report=report, resume_from=resume_from,
+                     on_step=config.get("progress"))
 
-        result.links = worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
-                                         "model": config["rayvit"], "batch": t.batch_size, **config["links"]})
-    return result.to_dict()
+
+def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
+    """The collective microbenchmark after training, outside every timed step, on these very workers.
+
+    It never fails the run it follows (an OOM on a small GPU, a collective the backend lacks): the error
+    comes back as ``{"error": ...}`` and the sweep projects with the hardware profile's links.
+    """
+    from rayvit.projection.collectives import worker_benchmark
+
+    try:
+        return worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
+                                 "model": config["rayvit"], "batch": cfg.train.batch_size, **config["links"]})
+    except Exception as e:  # noqa: BLE001
+        logger.warning("the links microbenchmark failed: %s", e)
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
-                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None) -> TorchTrainer:
+                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
+                  group: Optional[list[Config]] = None, rounds: int = 1) -> TorchTrainer:
     """A ``TorchTrainer`` for ``cfg``: one worker per chip, gloo on CPU and nccl on GPU.
 
     ``progress`` is called by every worker after every step (see :mod:`rayvit.launch.progress`).
     ``measure_links``: options of the collective microbenchmark the workers run after training
-    (``{}`` for the defaults), returned in ``RunResult.links``.
+    (``{}`` for the defaults), returned in ``RunResult.links``. ``group``: configs to measure on these
+    workers in ``rounds`` interleaved rounds instead of training ``cfg`` (see :func:`fit_group`).
     """
     p, t = cfg.parallel, cfg.train
     train_environment(cfg)
@@ -127,17 +161,21 @@ def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: O
     scaling = ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=resources,
                             accelerator_type=p.accelerator_type, placement_strategy=p.placement_strategy)
     if run_config is None:
+        what = "group" if group is not None else p.strategy
         run_config = RunConfig(
-            name=f"rayvit-{p.strategy}-{p.num_workers}w-{uuid.uuid4().hex[:8]}",
+            name=f"rayvit-{what}-{p.num_workers}w-{uuid.uuid4().hex[:8]}",
             storage_path=storage_path(cfg),
             # controller_failure_limit=0: a worker group that cannot start is an error, never a retry loop.
-            failure_config=FailureConfig(max_failures=t.max_failures, controller_failure_limit=0),
+            # A group has no checkpoints to restart from: a lost worker ends it (the sweep falls back).
+            failure_config=FailureConfig(max_failures=0 if group is not None else t.max_failures,
+                                         controller_failure_limit=0),
             checkpoint_config=CheckpointConfig(num_to_keep=2))
     if datasets is None and cfg.data.name == "parquet":
         from rayvit.data import ray_datasets
 
         datasets = ray_datasets(cfg)
-    loop_config = {"rayvit": cfg.to_dict(), "progress": progress, "links": measure_links}
+    loop_config = {"rayvit": cfg.to_dict(), "progress": progress, "links": measure_links,
+                   "group": [c.to_dict() for c in group] if group is not None else None, "rounds": rounds}
     return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
                         scaling_config=scaling, torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
                         run_config=run_config, datasets=datasets)
@@ -150,25 +188,73 @@ def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[Ru
     ``on_progress`` receives rank 0's figures (step, steps, loss, images/s per chip) about once a second.
     ``measure_links``: see :func:`build_trainer`.
     """
+    value = _run(cfg, [cfg], f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers", datasets=datasets,
+                 run_config=run_config, on_progress=on_progress, measure_links=measure_links)
+    return RunResult.from_dict(value)
+
+
+@dataclass
+class GroupResult:
+    """What :func:`fit_group` measured: per config its result over rounds, or the error it failed with."""
+
+    results: list[Optional[RunResult]]
+    errors: list[Optional[str]]
+    links: Optional[dict[str, Any]] = None
+
+
+def fit_group(cfgs: list[Config], rounds: int, *, datasets: Optional[dict] = None,
+              on_progress: Optional[Callable[[dict], None]] = None,
+              measure_links: Optional[dict] = None) -> GroupResult:
+    """Measure ``cfgs`` (the same worker count and resources) on one Ray Train worker group.
+
+    The workers start, place and join their process group once; every config is then trained once per
+    round, in rotated order (:mod:`rayvit.worker.rounds`), and its figures are the medians over rounds
+    with their intervals (:meth:`RunResult.of_rounds`). A config that fails in a round is returned with
+    its error and the others go on; a failure of the group itself raises ``TrainingError``.
+    ``on_progress`` receives step items (``"kind": "step"``, with the config's ``index`` and ``round``)
+    and one ``"kind": "round"`` item per config and round, with its result dict or error.
+    """
+    if not cfgs:
+        raise ValueError("fit_group needs at least one config")
+    sizes = {(c.parallel.num_workers, json.dumps(worker_bundle(c), sort_keys=True), c.parallel.use_gpu) for c in cfgs}
+    if len(sizes) > 1:
+        raise ValueError(f"one worker group serves configs of one worker count and resources; got {sorted(sizes)}")
+    first = cfgs[0]
+    value = _run(first, cfgs, f"the group of {len(cfgs)} run(s) at {first.parallel.num_workers} workers",
+                 datasets=datasets, on_progress=on_progress, measure_links=measure_links, group=cfgs,
+                 rounds=rounds)
+    results: list[Optional[RunResult]] = []
+    errors: list[Optional[str]] = []
+    for entry in value["group"]:
+        done = [RunResult.from_dict(r) for r in entry["rounds"]]
+        results.append(RunResult.of_rounds(done, [tuple(p) for p in entry["places"]])
+                       if done and entry["error"] is None else None)
+        errors.append(entry["error"])
+    return GroupResult(results, errors, value.get("links"))
+
+
+def _run(cfg: Config, cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
+         run_config: Optional[RunConfig] = None, on_progress: Optional[Callable[[dict], None]] = None,
+         measure_links: Optional[dict] = None, group: Optional[list[Config]] = None, rounds: int = 1) -> dict:
+    """Check, build and fit one trainer; rank 0's return value, or ``TrainingError``."""
     ensure_ray()
-    check_cluster_fits([cfg])
+    check_cluster_fits(cfgs)
     # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
-    check_storage([cfg], storage_given=run_config is not None and run_config.storage_path is not None)
+    check_storage(cfgs, storage_given=run_config is not None and run_config.storage_path is not None)
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
     trainer = build_trainer(cfg, datasets=datasets, run_config=run_config,
-                            progress=channel.poster() if on_progress else None, measure_links=measure_links)
+                            progress=channel.poster() if on_progress else None, measure_links=measure_links,
+                            group=group, rounds=rounds)
     try:
         with channel:
             result = trainer.fit()
     except Exception as e:  # Ray raises its own wrappers; keep the cause readable
-        raise TrainingError(f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers failed: "
-                            f"{_root_cause(e)}") from e
+        raise TrainingError(f"{what} failed: {_root_cause(e)}") from e
     if result.error is not None:
-        raise TrainingError(f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers failed: "
-                            f"{_root_cause(result.error)}")
+        raise TrainingError(f"{what} failed: {_root_cause(result.error)}")
     if result.return_value is None:
         raise TrainingError("the run finished without a summary from rank 0")
-    return RunResult.from_dict(result.return_value)
+    return result.return_value
 
 
 def _root_cause(error: BaseException) -> str:

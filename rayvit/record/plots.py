@@ -92,16 +92,18 @@ def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional
         points = sorted((int(r["world_size"]), r) for r in rows if r["series"] == strategy)
         xs = [n for n, _ in points]
         colour = STRATEGY_COLOURS.get(strategy)
-        top.plot(xs, [r["tflops_per_chip"] for _, r in points], marker="o", label=strategy, color=colour)
-        speedups = [(n, _finite(r.get("speedup_vs_ddp"))) for n, r in points]
-        speedups = [(n, s) for n, s in speedups if s is not None]
+        top.errorbar(xs, [r["tflops_per_chip"] for _, r in points], yerr=_error_bars(points, "tflops_per_chip"),
+                     marker="o", label=strategy, color=colour, capsize=3)
+        speedups = [(n, r) for n, r in points if _finite(r.get("speedup_vs_ddp")) is not None]
         if speedups:
-            bottom.plot([n for n, _ in speedups], [s for _, s in speedups], marker="o", label=strategy,
-                        color=colour)
-            for n, s in speedups:
+            bottom.errorbar([n for n, _ in speedups], [r["speedup_vs_ddp"] for _, r in speedups],
+                            yerr=_error_bars(speedups, "speedup_vs_ddp"), marker="o", label=strategy,
+                            color=colour, capsize=3)
+            for n, r in speedups:
                 if strategy != "ddp":
-                    bottom.annotate(f"{s:.2f}×", (n, s), textcoords="offset points", xytext=(4, 4),
-                                    fontsize=7, color=colour)
+                    noise = " (noise)" if str(r.get("verdict") or "").startswith("within noise") else ""
+                    bottom.annotate(f"{r['speedup_vs_ddp']:.2f}×{noise}", (n, r["speedup_vs_ddp"]),
+                                    textcoords="offset points", xytext=(4, 4), fontsize=7, color=colour)
     top.set_ylabel("TFLOPS per chip")
     top.set_ylim(bottom=0)
     top.legend(fontsize=8, loc="best")
@@ -109,6 +111,8 @@ def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional
     top.grid(alpha=0.3)
     bottom.axhline(1.0, color="#999999", linewidth=0.8, linestyle="--")
     bottom.set_ylabel("speedup vs DDP\n(per-chip TFLOPS ratio)")
+    if any(_finite(r.get("tflops_per_chip_lo")) is not None for r in rows):
+        top.set_title("median over rounds; bars: 95% interval", fontsize=8)
     bottom.set_xlabel("chips (workers)")
     bottom.grid(alpha=0.3)
     if chips:
@@ -127,7 +131,8 @@ def ladder_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional[
     figure, (axes,) = new_figure(1, height=4.2, width=8.5)
     labels = [("" if i == 0 else "+") + str(r["series"]).replace("_", " ") for i, r in enumerate(rows)]
     relative = [_finite(r.get("relative_throughput")) or 0.0 for r in rows]
-    bars = axes.bar(range(len(rows)), relative, color=["#333333"] + ["#1f77b4"] * (len(rows) - 1))
+    bars = axes.bar(range(len(rows)), relative, color=["#333333"] + ["#1f77b4"] * (len(rows) - 1),
+                    yerr=_error_bars(list(enumerate(rows)), "relative_throughput"), capsize=3)
     for bar, row, rel in zip(bars, rows, relative):
         axes.annotate(f"{rel:.2f}×\n{row['tflops_per_chip']:.3g} TFLOPS\n{row.get('precision', '')}",
                       (bar.get_x() + bar.get_width() / 2, bar.get_height()), textcoords="offset points",
@@ -140,6 +145,16 @@ def ladder_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional[
     axes.grid(axis="y", alpha=0.3)
     # Rungs change precision, strategy and image size by design: the caption lists every value seen.
     return save(figure, path, rows, title=title or "Optimization ladder (cumulative)")
+
+
+def _error_bars(points: Sequence[tuple[Any, Row]], key: str) -> Optional[list[list[float]]]:
+    """matplotlib's ``yerr`` (distances below and above) from ``<key>_lo`` / ``<key>_hi``, or None."""
+    below, above = [], []
+    for _, r in points:
+        value, lo, hi = _finite(r.get(key)), _finite(r.get(f"{key}_lo")), _finite(r.get(f"{key}_hi"))
+        below.append(value - lo if value is not None and lo is not None else 0.0)
+        above.append(hi - value if value is not None and hi is not None else 0.0)
+    return [below, above] if any(below) or any(above) else None
 
 
 def _series_order(rows: Iterable[Row]) -> list[str]:

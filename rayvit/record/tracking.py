@@ -240,18 +240,21 @@ def _saved_views(tags: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     return views
 
 
-def curve_view_state(sweep: str, keys: list[str]) -> dict[str, Any]:
+def curve_view_state(sweep: str, keys: list[str], bands: Iterable[str] = ()) -> dict[str, Any]:
     """A saved view of the MLflow (3.x) experiment page: ``sweep``'s curve runs, each key against chips.
 
     The JSON the UI itself writes when a user saves a view (its search facets and
     ``ExperimentPageUIState``): a filter on the sweep's curve runs, all of them shown, and one line chart
-    per key whose x-axis is the ``chips`` metric. Fields left out take the UI's defaults.
+    per key whose x-axis is the ``chips`` metric. Fields left out take the UI's defaults. A key in
+    ``bands`` is drawn with its ``<key>_lo`` and ``<key>_hi`` series in the same chart (the interval).
     """
+    bands = set(bands)
     section, model, system = (f"rayvit-{name}" for name in ("curves", "model", "system"))
     first = [k for k in ("tflops_per_chip", "speedup_vs_ddp") if k in keys]
     charts = [{
         "uuid": f"rayvit-chart-{i}", "type": "LINE", "metricSectionId": section, "deleted": False,
-        "isGenerated": False, "runsCountToCompare": 20, "metricKey": key, "selectedMetricKeys": [key],
+        "isGenerated": False, "runsCountToCompare": 20, "metricKey": key,
+        "selectedMetricKeys": [key] + ([f"{key}_lo", f"{key}_hi"] if key in bands else []),
         "xAxisKey": "metric", "selectedXAxisMetricKey": CURVE_X, "useGlobalXaxisKey": False,
         "xAxisScaleType": "linear", "scaleType": "linear", "lineSmoothness": 0,
         "useGlobalLineSmoothing": False, "displayPoints": True, "yAxisKey": "metric",
@@ -499,7 +502,7 @@ class SweepTracker:
         self.client.set_terminated(run.info.run_id, status="FINISHED")
         return run.info.run_id
 
-    def save_curve_view(self, keys: Iterable[str]) -> str:
+    def save_curve_view(self, keys: Iterable[str], bands: Iterable[str] = ()) -> str:
         """Save (or refresh) this sweep's view of the experiment's Runs page; returns its id.
 
         The view lists the sweep's curve runs and charts each of ``keys`` against chips, one line per
@@ -513,7 +516,7 @@ class SweepTracker:
         now = _now_ms()
         created = views.get(view_id, {}).get("createdAt", now)
         envelope = {"name": self.sweep + VIEW_SUFFIX, "createdAt": created, "updatedAt": now,
-                    "state": json.dumps(curve_view_state(self.sweep, list(keys)), separators=(",", ":"))}
+                    "state": json.dumps(curve_view_state(self.sweep, list(keys), bands), separators=(",", ":"))}
         self.client.set_experiment_tag(self.experiment_id, TAG_SAVED_VIEW + view_id,
                                        json.dumps(envelope, separators=(",", ":")))
         views[view_id] = envelope

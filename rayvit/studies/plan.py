@@ -93,6 +93,26 @@ def plan_scaling(study: Study) -> list[Point]:
     return points
 
 
+def worker_groups(points: list[Point], share_workers: bool = True) -> list[list[Point]]:
+    """The points that share one Ray Train worker group, in plan order of their first point.
+
+    Points share when they ask for the same workers (count, resources, accelerator, placement) and read
+    the same data (a parquet source is read through Ray Data, set up once per group, at one image size). A point that checkpoints or
+    injects a fault runs alone: recovering a group from a checkpoint would retrain the others too.
+    """
+    groups: dict[Any, list[Point]] = {}
+    for p in points:
+        c = p.cfg
+        alone = not share_workers or c.train.checkpoint_every or c.train.fail_at_step or c.train.max_failures
+        key = (p.key,) if alone else (
+            p.world_size, tuple(sorted(resources_for(c).items())), c.parallel.accelerator_type,
+            c.parallel.placement_strategy, c.data.name,
+            # Ray Data decodes parquet images at the model's size, on the driver's plan.
+            json.dumps(c.to_dict()["data"], sort_keys=True) + str(c.model.image_size) if c.data.name == "parquet" else None)
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
 def ladder_overrides(study: Study) -> list[tuple[str, dict[str, Any]]]:
     """``(rung, cumulative overrides)`` for each rung of ``sweep.rungs``, in the study's order."""
     if study.run.precision.mode not in ("fp32", "amp"):

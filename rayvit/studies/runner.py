@@ -90,11 +90,13 @@ class Progress:
         self.tty = sys.stdout.isatty() if tty is None else tty
         self.log_interval_s = log_interval_s
         self._live_shown = False
+        self._printed = 0.0
 
-    def live(self, point: Point) -> Callable[[dict], None]:
-        """A callback for rank 0's progress items (:func:`rayvit.launch.trainer.fit`'s ``on_progress``)."""
+    def live(self, point: Point, label: str = "") -> Callable[[dict], None]:
+        """A callback for rank 0's progress items (:func:`rayvit.launch.trainer.fit`'s ``on_progress``);
+        ``label`` (e.g. ``round 2/3``) goes before the step count."""
         first: dict[str, float] = {}
-        state = {"printed": 0.0}
+        label = f"{label}, " if label else ""
 
         def show(item: dict) -> None:
             first.setdefault("step", item["step"])
@@ -103,14 +105,15 @@ class Progress:
             rate = done / (item["time"] - first["time"]) if done and item["time"] > first["time"] else None
             eta = f", about {clock((item['steps'] - item['step']) / rate)} left" if rate else ""
             rate_text = fmt(item.get("images_per_sec_per_chip"), ".1f")
-            line = (f"{self.tag(point)} {point.key}: step {item['step']}/{item['steps']}, loss {item['loss']:.4g}"
+            line = (f"{self.tag(point)} {point.key}: {label}step {item['step']}/{item['steps']}, loss {item['loss']:.4g}"
                     + (f", {rate_text} img/s/chip" if rate_text != "-" else "") + eta)
             if self.tty:
                 sys.stdout.write("\r\033[K" + line)
                 sys.stdout.flush()
                 self._live_shown = True
-            elif not state["printed"] or time.monotonic() - state["printed"] >= self.log_interval_s:
-                state["printed"] = time.monotonic()
+            elif not self._printed or time.monotonic() - self._printed >= self.log_interval_s:
+                # One line per interval across all runs (a worker group's rounds share it).
+                self._printed = time.monotonic()
                 self.out(line)
         return show
 
@@ -124,11 +127,29 @@ class Progress:
         return f"[{point.index if point.index else point.key}/{self.total}]"
 
     def begin(self, point: Point, left: int, what: Optional[str] = None) -> None:
+        self._printed = 0.0                        # the first step of what begins is always shown
         # Mean of the points actually trained (reused points cost nothing) times the points left.
         estimate = sum(self.durations) / len(self.durations) * left if self.durations else None
         eta = "estimate after the first point" if estimate is None else f"about {clock(estimate)} left"
         self.out(f"{self.tag(point)} running {what or point.describe()} | elapsed "
                  f"{clock(time.monotonic() - self.start)}, {eta}")
+
+    def begin_group(self, points: list[Point], rounds: int, left: int) -> None:
+        """The line before a worker group measures ``points`` in ``rounds`` interleaved rounds."""
+        if len(points) == 1:
+            what = points[0].describe() + (f", {rounds} rounds" if rounds > 1 else "")
+        else:
+            c, n = points[0].cfg, points[0].world_size
+            what = (f"{', '.join(p.series for p in points)} @ {n} worker{'s' if n > 1 else ''} on one worker group, "
+                    f"{rounds} interleaved round{'s' if rounds > 1 else ''} ({c.model.name} {c.model.image_size}px, "
+                    f"batch {c.train.batch_size}/chip, {c.train.steps} steps each)")
+        self.begin(points[0], left, what)
+
+    def round_line(self, round: int, rounds: int, figures: list[tuple[Point, Optional[float], Optional[str]]]) -> None:
+        """``round 1/3: ddp/w2 586.0, fsdp/w2 350.9 img/s/chip`` once every point of a round reported."""
+        self._clear_live()
+        parts = [f"{p.key} {fmt(rate, '.1f')}" if error is None else f"{p.key} FAILED" for p, rate, error in figures]
+        self.out(f"{self.tag(figures[0][0])} round {round + 1}/{rounds}: {', '.join(parts)} img/s/chip")
 
     def end(self, outcome: Outcome) -> None:
         self._clear_live()
@@ -136,14 +157,69 @@ class Progress:
         if outcome.status == "done":
             self.durations.append(outcome.seconds)
             m = outcome.result.metrics
+            rounds = int(m.get("rounds") or 1)
             self.out(f"{self.tag(p)} {p.key} done in {outcome.seconds:.0f} s: "
-                     f"{fmt(m.get('tflops_per_chip'), '.4g')} TFLOPS/chip, "
-                     f"{fmt(m.get('images_per_sec_per_chip'), '.1f')} img/s/chip")
+                     f"{with_interval(m, 'tflops_per_chip', '.4g')} TFLOPS/chip, "
+                     f"{with_interval(m, 'images_per_sec_per_chip', '.1f')} img/s/chip"
+                     + (f" (median of {rounds} rounds, 95% interval)" if rounds > 1 else ""))
         elif outcome.status == "reused":
             self.out(f"{self.tag(p)} {p.key} already finished in run {outcome.run_id}: reused")
         else:
             self.out(f"{self.tag(p)} {p.key} {outcome.status.upper()}: "
                      f"{last_line(outcome.error or '') or 'no message'} (the study continues)")
+
+
+def with_interval(figures: Mapping[str, Any], key: str, spec: str, suffix: str = "") -> str:
+    """``586.0 (560.2-601.3)``: a figure with its interval where it has one, else the figure alone."""
+    value, lo, hi = figures.get(key), figures.get(f"{key}_lo"), figures.get(f"{key}_hi")
+    text = fmt(value, spec) + (suffix if fmt(value, spec) != "-" else "")
+    if fmt(lo, spec) != "-" and fmt(hi, spec) != "-":
+        text += f" ({fmt(lo, spec)}-{fmt(hi, spec)})"
+    return text
+
+
+class _GroupLive:
+    """The driver's view of one worker group: live step lines, a line per round, the rounds received.
+
+    Round results arrive as each run finishes (``"kind": "round"`` items), so when the group dies the
+    points whose rounds all finished are kept (:meth:`finished`).
+    """
+
+    def __init__(self, progress: Optional[Progress], points: list[Point], rounds: int):
+        self.progress, self.points, self.rounds = progress, points, rounds
+        self.received: dict[int, list[tuple[int, int, dict]]] = {i: [] for i in range(len(points))}
+        self.errors: dict[int, str] = {}
+        self.by_round: dict[int, dict[int, tuple[Optional[float], Optional[str]]]] = {}
+        self._live: dict[tuple[int, int], Callable[[dict], None]] = {}
+
+    def __call__(self, item: dict) -> None:
+        index, r = item.get("index", 0), item.get("round", 0)
+        if item.get("kind") == "round":
+            self._round(index, r, item)
+        elif self.progress is not None:
+            if (index, r) not in self._live:
+                label = f"round {r + 1}/{self.rounds}" if self.rounds > 1 else ""
+                self._live[(index, r)] = self.progress.live(self.points[index], label)
+            self._live[(index, r)](item)
+
+    def _round(self, index: int, r: int, item: dict) -> None:
+        result, error = item.get("result"), item.get("error")
+        if error is not None:
+            self.errors[index] = error
+        elif result is not None:
+            self.received[index].append((r, item.get("slot", 0), result))
+        row = self.by_round.setdefault(r, {})
+        row[index] = ((result or {}).get("metrics", {}).get("images_per_sec_per_chip"), error)
+        alive = [i for i in range(len(self.points)) if i not in self.errors or i in row]
+        if self.progress is not None and self.rounds > 1 and all(i in row for i in alive):
+            self.progress.round_line(r, self.rounds, [(self.points[i], *row[i]) for i in sorted(row)])
+
+    def finished(self, index: int) -> Optional[RunResult]:
+        """Point ``index``'s result if all its rounds arrived before the group ended, else None."""
+        got = self.received[index]
+        if index in self.errors or len(got) < self.rounds:
+            return None
+        return RunResult.of_rounds([RunResult.from_dict(res) for _, _, res in got], [(r, s) for r, s, _ in got])
 
 
 class StudyRun:
@@ -158,6 +234,7 @@ class StudyRun:
         self.tracker.find_parent()
         self.done = self.tracker.completed()
         self.parent_id: Optional[str] = None
+        self.links: Optional[dict] = None     # the links the last group measured, if it was asked to
 
     @property
     def resumed(self) -> bool:
@@ -199,7 +276,82 @@ class StudyRun:
                 return self._failed(point, run_id, str(e) or repr(e), start, e)
             except Exception as e:  # noqa: BLE001 - one broken point must not lose the rest of a long study
                 return self._failed(point, run_id, traceback.format_exc(), start, e)
-        outcome = Outcome(point, "done", result, run_id=run_id, seconds=time.monotonic() - start)
+        return self._done(point, run_id, result, time.monotonic() - start)
+
+    def run_group(self, points: list[Point], rounds: int, fit_group: Callable[..., Any],
+                  tags: Callable[[Point], Mapping[str, Any]], progress: Optional[Progress] = None,
+                  run_ids: Optional[dict[str, str]] = None) -> list[Outcome]:
+        """Measure ``points`` on one worker group in ``rounds`` interleaved rounds, each point recorded
+        in a child run of its own (:func:`rayvit.launch.trainer.fit_group`).
+
+        A point that fails in its round is recorded failed and the others go on. When the group itself
+        fails (a lost worker, a group that cannot start), points whose rounds had all finished keep them
+        and every other point runs again in a group of its own; Ctrl-C marks every open point KILLED.
+        """
+        from rayvit.launch.capacity import ClusterTooSmall
+        from rayvit.launch.trainer import TrainingError
+
+        run_ids = dict(run_ids or {})
+        for p in points:
+            run_ids.setdefault(p.key, self.open_point(p, tags(p)))
+        live = _GroupLive(progress, points, rounds)
+        start = time.monotonic()
+        with _sigint_restored():
+            try:
+                group = fit_group([p.cfg for p in points], rounds, on_progress=live)
+            except (KeyboardInterrupt, SystemExit) as e:
+                for p in points:
+                    self.tracker.fail_point(run_ids[p.key], f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)",
+                                            status="KILLED")
+                raise KeyboardInterrupt from e
+            except Exception as e:  # noqa: BLE001 - the group died: keep what finished, rerun the rest alone
+                error = str(e) if isinstance(e, (TrainingError, ClusterTooSmall)) else traceback.format_exc()
+                if len(points) == 1:
+                    outcome = self._failed(points[0], run_ids[points[0].key], error or repr(e), start, e)
+                    if progress is not None:
+                        progress.end(outcome)
+                    return [outcome]
+                return self._after_group_failure(points, rounds, fit_group, tags, progress, run_ids, live,
+                                                 error, start)
+        self.links = group.links
+        share = (time.monotonic() - start) / len(points)
+        outcomes = []
+        for p, result, error in zip(points, group.results, group.errors):
+            if result is None:
+                self.tracker.fail_point(run_ids[p.key], error or "no round finished")
+                outcomes.append(Outcome(p, "failed", error=error or "no round finished", run_id=run_ids[p.key],
+                                        seconds=share))
+            else:
+                outcomes.append(self._done(p, run_ids[p.key], result, share))
+        if progress is not None:
+            for outcome in outcomes:
+                progress.end(outcome)
+        return outcomes
+
+    def _after_group_failure(self, points: list[Point], rounds: int, fit_group: Callable[..., Any],
+                             tags: Callable[[Point], Mapping[str, Any]], progress: Optional[Progress],
+                             run_ids: dict[str, str], live: "_GroupLive", error: str, start: float) -> list[Outcome]:
+        kept = {i: live.finished(i) for i in range(len(points))}
+        rest = [p for i, p in enumerate(points) if kept[i] is None]
+        if progress is not None:
+            progress.out(f"the worker group at {points[0].world_size} workers failed: {last_line(error)}; "
+                         + (f"keeping {', '.join(p.key for i, p in enumerate(points) if kept[i])} (all rounds "
+                            "finished) and " if len(rest) < len(points) else "")
+                         + f"measuring {', '.join(p.key for p in rest)} in separate runs")
+        share = (time.monotonic() - start) / len(points)
+        outcomes: dict[str, Outcome] = {p.key: self._done(p, run_ids[p.key], kept[i], share)
+                                        for i, p in enumerate(points) if kept[i] is not None}
+        if progress is not None:
+            for outcome in outcomes.values():
+                progress.end(outcome)
+        for p in rest:
+            if progress is not None:
+                progress.begin_group([p], rounds, len(rest))
+            outcomes[p.key] = self.run_group([p], rounds, fit_group, tags, progress, run_ids)[0]
+        return [outcomes[p.key] for p in points]
+
+    def _done(self, point: Point, run_id: str, result: RunResult, seconds: float) -> Outcome:
+        outcome = Outcome(point, "done", result, run_id=run_id, seconds=seconds)
         self.tracker.finish_point(run_id, result, step=point.world_size)
         self.tracker.log_metrics(run_id, {"driver_seconds": outcome.seconds}, step=point.world_size)
         return outcome

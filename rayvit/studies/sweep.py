@@ -14,12 +14,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rayvit import stats
 from rayvit.config import Study
 from rayvit.record import plots, tracking
-from rayvit.record.tables import Column, cell, fmt, format_table, number, times, write_parquet
+from rayvit.record.tables import Column, cell, fmt, format_table, number, write_parquet
 from rayvit.results import METRIC_KEYS
-from rayvit.studies.plan import Point, plan
-from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, attach_ray, print_failures, print_where
+from rayvit.studies.plan import Point, plan, worker_groups
+from rayvit.studies.runner import (Outcome, Progress, Report, StudyRun, attach_ray, print_failures, print_where,
+                                   with_interval)
 
 # Per point figures derived across points (absent where their reference point is missing).
 DERIVED_KEYS = ("speedup_vs_ddp", "scaling_efficiency", "relative_throughput")
@@ -45,7 +47,8 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
     from rayvit.launch.storage import check_storage
-    from rayvit.launch.trainer import check_cluster_fits, fit
+    from rayvit.launch.trainer import check_cluster_fits
+    from rayvit.launch.trainer import fit_group as fit_group_of_workers
 
     name = study.sweep.name or default_sweep_name(study)
     study = study.replace({"sweep.name": name})
@@ -75,27 +78,39 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
         out(growth)
 
     progress = Progress(len(points), out)
-    outcomes: list[Outcome] = []
+    done: dict[str, Outcome] = {}
     links = _Links(study, todo, out)
+    fit_group = capacity.waiting(fit_group_of_workers, out)
     try:
-        for i, point in enumerate(points):
-            outcome = run.reusable(point)
-            if outcome is None:
-                if run.changed_since(point):
-                    out(f"{progress.tag(point)} {point.key}: its settings changed since run "
-                        f"{run.changed_since(point)}; running it again")
-                progress.begin(point, len(points) - i)
-                outcome = run.run_point(point, links.fit_for(point, capacity.waiting(fit, out)),
-                                        _point_tags(point, mode), progress)
-            outcomes.append(outcome)
-            progress.end(outcome)
+        for group in worker_groups(points, study.sweep.share_workers):
+            # Plan order: reused points report first, then the group measures the rest together.
+            todo_here = []
+            for point in group:
+                outcome = run.reusable(point)
+                if outcome is None:
+                    todo_here.append(point)
+                else:
+                    done[point.key] = outcome
+                    progress.end(outcome)
+            if todo_here:
+                for point in todo_here:
+                    if run.changed_since(point):
+                        out(f"{progress.tag(point)} {point.key}: its settings changed since run "
+                            f"{run.changed_since(point)}; running it again")
+                progress.begin_group(todo_here, study.sweep.rounds, len(points) - len(done))
+                run.links = None
+                for outcome in run.run_group(todo_here, study.sweep.rounds, links.fit_for(todo_here, fit_group),
+                                             lambda p: _point_tags(p, mode), progress):
+                    done[outcome.point.key] = outcome
+            outcomes = [done[p.key] for p in points if p.key in done]
             links.after(run, outcomes)
             _log_curves(run, rows_of(outcomes, mode), mode)
         links.after(run, outcomes, last=True)
     except KeyboardInterrupt:
-        run.interrupted(points[len(outcomes)].key if len(outcomes) < len(points) else "end")
+        missing = [p.key for p in points if p.key not in done]
+        run.interrupted(missing[0] if missing else "end")
         raise
-    return _finish(run, study, points, outcomes, links.measured)
+    return _finish(run, study, points, [done[p.key] for p in points], links.measured)
 
 
 class _Links:
@@ -117,19 +132,24 @@ class _Links:
         self.pending = self.count is not None      # no microbenchmark below 2 workers
         self.judged = 0
 
-    def fit_for(self, point: Point, fit: Callable[..., Any]) -> Callable[..., Any]:
-        """``fit``, asking this point's workers for the links when it is the one to measure them."""
-        if self.pending and point.world_size == self.count:
+    def fit_for(self, points: list[Point], fit: Callable[..., Any]) -> Callable[..., Any]:
+        """``fit``, asking these points' workers for the links when they are the ones to measure them."""
+        if self.pending and points[0].world_size == self.count:
             return functools.partial(fit, measure_links={})
         return fit
 
     def after(self, run: StudyRun, outcomes: list[Outcome], last: bool = False) -> None:
         if not self.scaling:
             return
-        newest = outcomes[-1] if outcomes else None
-        if self.pending and newest is not None and newest.ok and newest.result.links:
-            self.pending, self.measured = False, newest.result.links
-            self.out(self.insweep.describe_measured(self.measured, newest.point.key))
+        newest = run.links
+        if self.pending and newest and newest.get("error"):
+            self.pending = False
+            self.out(f"projection: measuring the links failed ({newest['error']}); projecting with the "
+                     "hardware profile's links")
+        elif self.pending and newest:
+            self.pending, self.measured = False, newest
+            where = [o.point.key for o in outcomes if o.point.world_size == self.count and o.status == "done"]
+            self.out(self.insweep.describe_measured(self.measured, ", ".join(where) or f"{self.count} workers"))
         elif self.pending and last:
             self.pending = False
             self.out(f"projection: no point at {self.count} workers finished, so the links were not measured; "
@@ -184,7 +204,11 @@ def _point_tags(point: Point, mode: str) -> dict[str, Any]:
 
 
 def rows_of(outcomes: list[Outcome], mode: str) -> list[dict[str, Any]]:
-    """One flat row per point: key, status, conditions, metrics and the derived figures."""
+    """One flat row per point: key, status, conditions, metrics and the derived figures.
+
+    ``round_step_times`` holds each round's timed step times (the slowest rank's), from which the
+    derived ratios get their intervals.
+    """
     rows = []
     for o in outcomes:
         row: dict[str, Any] = {"point": o.point.key, "series": o.point.series, "world_size": o.point.world_size,
@@ -194,6 +218,7 @@ def rows_of(outcomes: list[Outcome], mode: str) -> list[dict[str, Any]]:
                                "config_hash": o.point.config_hash}
         if o.result is not None:
             row.update({k: v for k, v in o.result.row().items() if k not in ("series", "point")})
+            row["round_step_times"] = [r["step_times"] for r in o.result.rounds] or None
         for key in METRIC_KEYS:
             row.setdefault(key, None)
         rows.append(row)
@@ -206,45 +231,90 @@ def _ratio(a: Any, b: Any) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def add_derived(rows: list[dict[str, Any]], mode: str) -> None:
-    """Fill ``speedup_vs_ddp``, ``scaling_efficiency`` (scaling) or ``relative_throughput`` (ladder).
+def _derive(row: dict[str, Any], ref: Optional[dict[str, Any]], key: str, derived: str, paired: bool) -> None:
+    """``row[derived]`` = row's ``key`` / ref's, with ``_lo``/``_hi`` from their rounds where both have them.
 
-    speedup_vs_ddp = per-chip TFLOPS / DDP's at the same worker count; scaling_efficiency = per-chip
-    images/s / the same strategy's at the sweep's smallest worker count (missing if that point failed:
-    a larger count is never silently used as the reference); relative_throughput = per-chip TFLOPS /
-    the baseline rung's.
+    Paired: the points ran in the same rounds on the same workers, so the ratio is taken within each
+    round (:func:`rayvit.stats.paired_ratio`); else each side is resampled alone.
+    """
+    if ref is None:
+        return
+    if ref is row:
+        row.update({derived: 1.0, f"{derived}_lo": 1.0, f"{derived}_hi": 1.0})
+        return
+    row[derived] = _ratio(row.get(key), ref.get(key))
+    a, b = (stats.rounds_blocks({"step_times": t} for t in (r.get("round_step_times") or [])) for r in (row, ref))
+    try:
+        fa, fb = stats.functions_of(row, row)[key], stats.functions_of(ref, ref)[key]
+    except (KeyError, TypeError, ValueError):
+        return
+    est = (stats.paired_ratio if paired else stats.unpaired_ratio)(a, b, fa, fb)
+    if est is not None:
+        row.update(est.figures(derived))
+
+
+def verdict(row: dict[str, Any], derived: str, reference: str) -> Optional[str]:
+    """``faster than DDP``, ``slower than DDP`` or ``within noise of DDP``: whether the ratio's interval
+    holds 1.0 (a ratio without an interval gets no verdict)."""
+    lo, hi = number(row.get(f"{derived}_lo")), number(row.get(f"{derived}_hi"))
+    if lo is None or hi is None:
+        return None
+    if lo <= 1.0 <= hi:
+        return f"within noise of {reference}" if (lo, hi) != (1.0, 1.0) else reference
+    return f"{'faster' if lo > 1.0 else 'slower'} than {reference}"
+
+
+def add_derived(rows: list[dict[str, Any]], mode: str) -> None:
+    """Fill ``speedup_vs_ddp``, ``scaling_efficiency`` (scaling) or ``relative_throughput`` (ladder),
+    each with ``_lo``/``_hi`` where the rows carry their rounds, and the ratio's verdict.
+
+    speedup_vs_ddp = per-chip TFLOPS / DDP's at the same worker count, paired round by round (the two
+    ran on the same workers, adjacent in time); scaling_efficiency = per-chip images/s / the same
+    strategy's at the sweep's smallest worker count (missing if that point failed: a larger count is
+    never silently used as the reference; unpaired); relative_throughput = per-chip TFLOPS / the
+    baseline rung's, paired.
     """
     for row in rows:
         for key in DERIVED_KEYS:
             row[key] = None
+            row.pop(f"{key}_lo", None)
+            row.pop(f"{key}_hi", None)
+        row["verdict"] = None
     if mode == "ladder":
         base = next((r for r in rows if r["series"] == "baseline"), None)
         for row in rows:
-            row["relative_throughput"] = _ratio(row.get("tflops_per_chip"), base and base.get("tflops_per_chip"))
+            _derive(row, base, "tflops_per_chip", "relative_throughput", paired=True)
+            row["verdict"] = verdict(row, "relative_throughput", "the baseline")
         return
     ddp = {r["world_size"]: r for r in rows if r["series"] == "ddp"}
     smallest = min((r["world_size"] for r in rows), default=None)
     first = {r["series"]: r for r in rows if r["world_size"] == smallest}
     for row in rows:
-        ref = ddp.get(row["world_size"])
-        row["speedup_vs_ddp"] = _ratio(row.get("tflops_per_chip"), ref and ref.get("tflops_per_chip"))
-        ref = first.get(row["series"])
-        row["scaling_efficiency"] = _ratio(row.get("images_per_sec_per_chip"),
-                                           ref and ref.get("images_per_sec_per_chip"))
+        _derive(row, ddp.get(row["world_size"]), "tflops_per_chip", "speedup_vs_ddp", paired=True)
+        row["verdict"] = verdict(row, "speedup_vs_ddp", "DDP")
+        _derive(row, first.get(row["series"]), "images_per_sec_per_chip", "scaling_efficiency", paired=False)
+
+
+def _interval(key: str, spec: str, suffix: str = "") -> Callable[[dict], str]:
+    return lambda r: with_interval(r, key, spec, suffix)
 
 
 SCALING_COLUMNS: list[Column] = [
     ("point", cell("point")), ("status", cell("status")), ("chips", cell("world_size")),
-    ("img/s/chip", cell("images_per_sec_per_chip", ".1f")), ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
-    ("MFU", cell("mfu", ".1%")), ("vs DDP", lambda r: times(r["speedup_vs_ddp"])),
-    ("scaling eff.", cell("scaling_efficiency", ".0%")),
-    ("state MB/rank", cell("model_state_bytes_per_rank", ".1f", scale=2 ** 20)), ("time s", cell("seconds", ".0f")),
+    ("img/s/chip (95% CI)", _interval("images_per_sec_per_chip", ".1f")),
+    ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
+    ("MFU", cell("mfu", ".1%")), ("vs DDP (95% CI)", _interval("speedup_vs_ddp", ".2f", "x")),
+    ("verdict", cell("verdict")), ("scaling eff.", cell("scaling_efficiency", ".0%")),
+    ("state MB/rank", cell("model_state_bytes_per_rank", ".1f", scale=2 ** 20)), ("rounds", cell("rounds", ".0f")),
+    ("time s", cell("seconds", ".0f")),
 ]
 LADDER_COLUMNS: list[Column] = [
     ("rung", cell("series")), ("status", cell("status")), ("chips", cell("world_size")),
     ("strategy", cell("strategy")), ("precision", cell("precision")), ("img px", cell("image_size")),
-    ("img/s/chip", cell("images_per_sec_per_chip", ".1f")), ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
-    ("MFU", cell("mfu", ".1%")), ("vs baseline", lambda r: times(r["relative_throughput"])),
+    ("img/s/chip (95% CI)", _interval("images_per_sec_per_chip", ".1f")),
+    ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
+    ("MFU", cell("mfu", ".1%")), ("vs baseline (95% CI)", _interval("relative_throughput", ".2f", "x")),
+    ("verdict", cell("verdict")), ("rounds", cell("rounds", ".0f")),
 ]
 
 
@@ -282,29 +352,37 @@ def _log_curves(run: StudyRun, rows: list[dict[str, Any]], mode: str) -> None:
     ok = [r for r in rows if r["status"] in ("done", "reused")]
     for row in ok:
         if row["run_id"]:
-            tracker.log_metrics(row["run_id"], {k: row[k] for k in DERIVED_KEYS}, step=row["world_size"])
+            tracker.log_metrics(row["run_id"], {k + end: row.get(k + end) for k in DERIVED_KEYS
+                                                for end in ("", "_lo", "_hi")}, step=row["world_size"])
+            if row.get("verdict"):
+                tracker.set_tags(row["run_id"], {"rayvit.verdict": row["verdict"]})
     if mode == "ladder":
         for i, row in enumerate(rows):
             if row["status"] in ("done", "reused"):
                 # One chart of the whole ladder: step = rung number.
                 tracker.log_metrics(run.parent_id, {"relative_throughput": row["relative_throughput"],
+                                                    "relative_throughput_lo": row.get("relative_throughput_lo"),
+                                                    "relative_throughput_hi": row.get("relative_throughput_hi"),
                                                     "ladder_tflops_per_chip": row["tflops_per_chip"]}, step=i)
         return
     for row in ok:
-        tracker.log_metrics(run.parent_id, {f"{k}/{row['series']}": row.get(k) for k in CURVE_KEYS},
-                            step=row["world_size"])
+        tracker.log_metrics(run.parent_id, {f"{k}{end}/{row['series']}": row.get(k + end) for k in CURVE_KEYS
+                                            for end in ("", "_lo", "_hi")}, step=row["world_size"])
 
 
 def _log_curve_runs(run: StudyRun, rows: list[dict[str, Any]]) -> None:
     ok = [r for r in rows if r["status"] in ("done", "reused")]
     for series in dict.fromkeys(r["series"] for r in ok):
         mine = [r for r in ok if r["series"] == series]
-        curves = {k: {r["world_size"]: r.get(k) for r in mine} for k in CURVE_KEYS}
+        curves = {k + end: {r["world_size"]: r.get(k + end) for r in mine} for k in CURVE_KEYS
+                  for end in ("", "_lo", "_hi")}
         shared = {k: mine[0].get(k) for k in ("model", "image_size", "batch_per_chip", "precision",
                                               "accelerator") if mine[0].get(k) is not None}
         run.tracker.log_curve_run(series, curves, {"strategy": series, **shared})
     if ok:
-        run.tracker.save_curve_view(CURVE_KEYS)  # the UI's chart of them all against chips
+        # The UI's chart of them all against chips, each figure between its interval's ends.
+        run.tracker.save_curve_view(CURVE_KEYS, bands=[k for k in CURVE_KEYS
+                                                       if any(number(r.get(f"{k}_lo")) is not None for r in ok)])
 
 
 def print_summary(report: Report, out: Callable[[str], None] = print) -> None:

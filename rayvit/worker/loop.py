@@ -19,15 +19,12 @@ import torch.nn.functional as F
 from rayvit.config import Config
 from rayvit.data import build_data
 from rayvit.models import build_model, vit_complexity
-from rayvit.results import RunResult
+from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
 from rayvit.worker import checkpoint, hardware, metrics
 from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.worker.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
 from rayvit.worker.strategies import ensure_process_group, rank, strategy_class, world_size
-
-IMAGENET_TRAIN_IMAGES = 1_281_167
-
 
 class InjectedFault(RuntimeError):
     """Raised by ``train.fail_at_step`` to prove that a run survives a crashed worker."""
@@ -237,6 +234,7 @@ class Session:
             "images_per_sec_per_chip": per_chip,
             "tflops_per_chip": rate["tflops_per_chip"],
             "mfu": rate["mfu"],
+            "step_time_s": self.cfg.train.batch_size / per_chip if per_chip > 0 else math.nan,
             **metrics.step_time_percentiles(slowest),
             "model_state_bytes_per_rank": stats[1].item(),
             **combined,
@@ -251,7 +249,7 @@ class Session:
             figures["val_accuracy"] = final_eval["val_accuracy"]
         return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
                          history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
-                         restarts=self.restarts, per_rank=per_rank)
+                         restarts=self.restarts, per_rank=per_rank, step_times=slowest)
 
     def conditions(self, peak_source: str) -> dict[str, Any]:
         """What every figure of this run is stated with."""

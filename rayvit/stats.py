@@ -1,0 +1,207 @@
+"""How sure a figure is: medians over rounds and their 95% intervals, for one point and for ratios.
+
+A point is measured in *rounds* (a sweep runs each strategy once per round, interleaved with the others
+on the same workers); each round's timed steps are cut into *blocks* of consecutive steps. A figure is
+the median over rounds of the round's value, and its interval is a percentile bootstrap that resamples
+both levels: rounds with replacement, then blocks within each drawn round with replacement (a
+hierarchical bootstrap: rounds differ by the moment and, across runs, the placement; blocks by the
+noise within a round). Blocks, not single steps, because neighbouring steps share their noise (a
+burst of another process's work spans several). With one round the interval comes from the blocks
+alone and says nothing about run-to-run spread: sweeps default to 3 rounds.
+
+A ratio of two points measured in the same rounds on the same workers (``speedup_vs_ddp``, the ladder's
+``relative_throughput``) is *paired*: the ratio is taken within each round, adjacent in time, and the
+bootstrap draws the same rounds for both sides. A ratio of points from different runs (scaling
+efficiency across worker counts) resamples each side on its own.
+
+The resampling is seeded, so the same measurements always give the same interval.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from statistics import median
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+BLOCK_STEPS = 5          # timed steps per block (a round with fewer has one block per step)
+SEED = 20221208
+
+# Figures that get ``<key>_lo`` / ``<key>_hi`` beside them: every throughput figure of a point, each a
+# function of the round's timed step times (see :func:`round_figures`).
+INTERVAL_KEYS = ("images_per_sec_per_chip", "images_per_sec", "tflops_per_chip", "mfu", "step_time_s")
+
+# A block: (timed steps, their seconds).
+Block = tuple[int, float]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A median over rounds with its interval (``lo`` <= ``median`` <= ``hi``) and the rounds behind it."""
+
+    median: float
+    lo: float
+    hi: float
+    rounds: int
+
+    def contains(self, value: float) -> bool:
+        return self.lo <= value <= self.hi
+
+    def verdict(self, reference: float = 1.0) -> str:
+        """``above``, ``below`` or ``within noise`` of ``reference`` (e.g. a ratio against 1.0)."""
+        if self.contains(reference):
+            return "within noise"
+        return "above" if self.lo > reference else "below"
+
+    def figures(self, key: str) -> dict[str, float]:
+        return {key: self.median, f"{key}_lo": self.lo, f"{key}_hi": self.hi}
+
+    def text(self, spec: str = ".2f", suffix: str = "") -> str:
+        """``0.67x (0.61-0.72)`` for ``spec=".2f", suffix="x"``."""
+        return f"{self.median:{spec}}{suffix} ({self.lo:{spec}}-{self.hi:{spec}})"
+
+
+def cut(step_times: Sequence[float], size: int = BLOCK_STEPS) -> list[Block]:
+    """Consecutive timed steps as blocks of ``size`` (a short tail joins the last block)."""
+    times = [float(t) for t in step_times if t is not None and math.isfinite(t) and t > 0]
+    if not times:
+        return []
+    if len(times) < 2 * size:
+        size = max(1, len(times) // 2) if len(times) >= 2 else 1
+    count = len(times) // size
+    blocks = [(size, sum(times[i * size:(i + 1) * size])) for i in range(count)]
+    tail = times[count * size:]
+    if tail:
+        steps, seconds = blocks[-1]
+        blocks[-1] = (steps + len(tail), seconds + sum(tail))
+    return blocks
+
+
+def seconds_per_step(blocks: Sequence[Block]) -> float:
+    steps = sum(b[0] for b in blocks)
+    return sum(b[1] for b in blocks) / steps if steps else math.nan
+
+
+def _draw(rng: random.Random, items: Sequence[Any]) -> list[Any]:
+    return [items[rng.randrange(len(items))] for _ in items]
+
+
+def _percentiles(values: list[float]) -> tuple[float, float]:
+    values = sorted(v for v in values if math.isfinite(v))
+    if not values:
+        return math.nan, math.nan
+    tail = (1 - CONFIDENCE) / 2
+
+    def at(q: float) -> float:
+        position = q * (len(values) - 1)
+        low = math.floor(position)
+        high = min(low + 1, len(values) - 1)
+        return values[low] + (values[high] - values[low]) * (position - low)
+    return at(tail), at(1 - tail)
+
+
+def _estimate(point: float, replicates: list[float], rounds: int) -> Estimate:
+    lo, hi = _percentiles(replicates)
+    # A percentile interval can miss a median that sits on a discrete edge; it always covers it here.
+    return Estimate(point, min(lo, point), max(hi, point), rounds)
+
+
+def estimate(rounds: Sequence[Sequence[Block]], value: Callable[[float], float],
+             resamples: int = RESAMPLES, seed: int = SEED) -> Optional[Estimate]:
+    """The median over rounds of ``value(seconds per step of the round)``, with its interval."""
+    rounds = [r for r in rounds if r]
+    if not rounds:
+        return None
+    point = median(value(seconds_per_step(r)) for r in rounds)
+    rng = random.Random(seed)
+    replicates = [median(value(seconds_per_step(_draw(rng, r))) for r in _draw(rng, rounds))
+                  for _ in range(resamples)]
+    return _estimate(point, replicates, len(rounds))
+
+
+def paired_ratio(a: Sequence[Sequence[Block]], b: Sequence[Sequence[Block]],
+                 value_a: Callable[[float], float], value_b: Callable[[float], float],
+                 resamples: int = RESAMPLES, seed: int = SEED) -> Optional[Estimate]:
+    """Median over rounds of ``value_a(round of a) / value_b(the same round of b)``, with its interval.
+
+    Rounds are paired by position (round i of ``a`` ran beside round i of ``b``); a round either side
+    lacks is left out.
+    """
+    pairs = [(ra, rb) for ra, rb in zip(a, b) if ra and rb]
+    if not pairs:
+        return None
+
+    def ratio(ra: Sequence[Block], rb: Sequence[Block]) -> float:
+        return value_a(seconds_per_step(ra)) / value_b(seconds_per_step(rb))
+
+    point = median(ratio(ra, rb) for ra, rb in pairs)
+    rng = random.Random(seed)
+    replicates = [median(ratio(_draw(rng, ra), _draw(rng, rb)) for ra, rb in _draw(rng, pairs))
+                  for _ in range(resamples)]
+    return _estimate(point, replicates, len(pairs))
+
+
+def unpaired_ratio(a: Sequence[Sequence[Block]], b: Sequence[Sequence[Block]],
+                   value_a: Callable[[float], float], value_b: Callable[[float], float],
+                   resamples: int = RESAMPLES, seed: int = SEED) -> Optional[Estimate]:
+    """``median(value_a over a's rounds) / median(value_b over b's rounds)``, each side resampled alone."""
+    a, b = [r for r in a if r], [r for r in b if r]
+    if not a or not b:
+        return None
+
+    def med(rounds: Sequence[Sequence[Block]], value: Callable[[float], float], rng=None) -> float:
+        if rng is not None:
+            rounds = [_draw(rng, r) for r in _draw(rng, rounds)]
+        return median(value(seconds_per_step(r)) for r in rounds)
+
+    point = med(a, value_a) / med(b, value_b)
+    rng = random.Random(seed)
+    replicates = [med(a, value_a, rng) / med(b, value_b, rng) for _ in range(resamples)]
+    return _estimate(point, replicates, min(len(a), len(b)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Figures of a run from its step times
+
+
+def figure_functions(batch_per_chip: int, world_size: int, train_flops_per_image: float,
+                     peak_tflops: Optional[float]) -> dict[str, Callable[[float], float]]:
+    """Each interval figure as a function of seconds per step (the slowest rank's)."""
+    def per_chip(s: float) -> float:
+        return batch_per_chip / s
+
+    functions: dict[str, Callable[[float], float]] = {
+        "images_per_sec_per_chip": per_chip,
+        "images_per_sec": lambda s: per_chip(s) * world_size,
+        "tflops_per_chip": lambda s: train_flops_per_image * per_chip(s) / 1e12,
+        "step_time_s": lambda s: s,
+    }
+    if peak_tflops:
+        functions["mfu"] = lambda s: train_flops_per_image * per_chip(s) / 1e12 / peak_tflops
+    return functions
+
+
+def functions_of(metrics: Mapping[str, Any], conditions: Mapping[str, Any]) -> dict[str, Callable[[float], float]]:
+    return figure_functions(int(conditions["batch_per_chip"]), int(conditions["world_size"]),
+                            float(metrics["train_flops_per_image"]), metrics.get("peak_tflops"))
+
+
+def rounds_blocks(rounds: Iterable[Mapping[str, Any]], size: int = BLOCK_STEPS) -> list[list[Block]]:
+    """The blocks of each recorded round (``{"step_times": [...], ...}``), in round order."""
+    return [cut(r.get("step_times") or [], size) for r in rounds]
+
+
+def intervals(rounds: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any],
+              conditions: Mapping[str, Any]) -> dict[str, float]:
+    """``<key>``, ``<key>_lo``, ``<key>_hi`` for every :data:`INTERVAL_KEYS` figure, and ``rounds``."""
+    blocks = rounds_blocks(rounds)
+    out: dict[str, float] = {}
+    for key, value in functions_of(metrics, conditions).items():
+        est = estimate(blocks, value)
+        if est is not None:
+            out.update(est.figures(key))
+            out["rounds"] = float(est.rounds)
+    return out
