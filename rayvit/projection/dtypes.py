@@ -9,8 +9,10 @@ Mirrors ``rayvit.worker.precision`` (and the strategy changes planned beside it,
 | mixed  | half (LayerNorm fp32 if layer_norm_fp32)| fp32 shards, half when gathered             | fp32 copy of the half weights (ddp) | half |
 | pure   | half                                    | half                                        | no      | half    |
 
-Gradients are stored in the dtype of the tensor that holds them; they are *reduced* in
-``parallel.reduce_dtype`` under the half levels (fp32 level: fp32).
+Gradients are stored in the dtype of the tensor that holds them. Half gradients (``mixed`` weights,
+``pure``) are *reduced* in ``parallel.reduce_dtype``; fp32 gradients always in fp32: every gradient under
+``fp32`` and ``amp`` (autocast computes in half, but the parameters and their gradients stay fp32), and
+LayerNorm's under ``mixed`` with ``layer_norm_fp32``.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class Dtypes:
             return FULL
         return FULL if norm and self.layer_norm_fp32 else HALF
 
-    def reduced(self) -> int:
-        """Bytes per element gradients are reduced in."""
-        if self.mode == "fp32":
+    def reduced(self, norm: bool = False) -> int:
+        """Bytes per element gradients are reduced in (of a LayerNorm parameter when ``norm``)."""
+        if self.mode in ("fp32", "amp") or (norm and self.layer_norm_fp32):
             return FULL
         return HALF if self.reduce_half else FULL
 

@@ -173,7 +173,8 @@ def fixed_activation_bytes(cfg: Config) -> int:
 def transient_bytes(cfg: Config, world: int, *, layer_norm_fp32: Optional[bool] = None) -> int:
     """Buffers that exist only during the step, beside model state and activations.
 
-    DDP: its gradient buckets (a second copy of every gradient, in the gradient dtype). FSDP: gathered
+    DDP: its gradient buckets (a second copy of every gradient, in the gradient dtype; at one rank too,
+    where the reducer still builds and all-reduces them). FSDP: gathered
     units in the compute dtype (two at a time when resharding after forward; all of them from forward to
     backward when not) plus one unit's unsharded gradient. OSS: nothing beyond its views.
     """
@@ -181,7 +182,7 @@ def transient_bytes(cfg: Config, world: int, *, layer_norm_fp32: Optional[bool] 
     tensors = vit_tensors(cfg.model)
     s = cfg.parallel.strategy
     if s == "ddp":
-        return sum(t.numel * dt.stored(t.norm) for t in tensors) if world > 1 else 0
+        return sum(t.numel * dt.stored(t.norm) for t in tensors)
     if s not in ("fsdp", "fairscale_fsdp"):
         return 0
     units = fsdp_units(tensors).values()

@@ -1,8 +1,8 @@
 """Two ranks over gloo in spawned processes, no Ray: what only a second rank can show.
 
 Reduce dtypes on the wire (DDP's hook, FSDP2's reduce-scatter), ranks lined up after a report, OSS's own
-gradient clipping, FairScale FSDP's weight decay over sharded flat parameters, and fused AdamW over
-FSDP2's sharded parameters.
+gradient clipping, FairScale FSDP's weight decay over sharded flat parameters, fused AdamW over FSDP2's
+sharded parameters, and the collectives of a step against the projection's count of them.
 """
 
 from __future__ import annotations
@@ -216,3 +216,72 @@ def test_fsdp_runs_fused_adamw_on_its_sharded_parameters(tmp_path, mode):
         # The same update as the multi-tensor optimizer, to float rounding.
         for a, b in zip(fused["shards"], foreach["shards"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- the collectives of one step, as the projection counts them ---------------------------------------
+
+# Big enough for DDP's 1 MiB first bucket to close before the rest (about 7 M parameters).
+MEDIUM = ["train.batch_size=4", "model.depth=4", "model.hidden_dim=384", "model.mlp_dim=1536", "model.num_heads=6"]
+MESSAGE_CASES = [("ddp", "fp32", []), ("ddp", "mixed", []), ("ddp", "mixed", ["parallel.reduce_dtype=half"]),
+                 ("ddp", "amp", ["parallel.reduce_dtype=half"]), ("fsdp", "fp32", []),
+                 ("fsdp", "amp", ["parallel.reduce_dtype=half"]), ("fsdp", "mixed", []),
+                 ("fsdp", "mixed", ["parallel.reshard_after_forward=false"])]
+
+
+def _step_collectives(rank: int) -> dict:
+    """Per case: (kind, bytes) of every gradient and parameter collective in the third step (DDP has
+    rebuilt its buckets in gradient order by then). DDP without a hook of rayvit's gets torch's own
+    all-reduce hook, so that its buckets pass through ``dist.all_reduce`` where they can be seen."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from rayvit.worker import Session
+
+    names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
+    seen: dict = {}
+    for strategy, mode, extra in MESSAGE_CASES:
+        session = Session(load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
+                                                          *extra]))
+        if strategy == "ddp" and mode in ("fp32", "amp"):
+            session.model.register_comm_hook(None, default_hooks.allreduce_hook)
+        sent: list = []
+        real = {name: getattr(dist, name) for name in names}
+
+        def spy(*args, _name, **kwargs):
+            # all_reduce(tensor), all_gather_single(output, input), reduce_scatter_single(output, input)
+            tensor = kwargs["input"] if _name == "reduce_scatter_single" and "input" in kwargs else (
+                args[1] if _name == "reduce_scatter_single" else args[0])
+            sent.append((names[_name], tensor.numel() * tensor.element_size()))
+            return real[_name](*args, **kwargs)
+
+        try:
+            for step in range(3):
+                sent.clear()
+                for name in names:
+                    setattr(dist, name, lambda *a, _n=name, **k: spy(*a, _name=_n, **k))
+                try:
+                    session.clear_grads()
+                    session.train_step()
+                finally:
+                    for name, fn in real.items():
+                        setattr(dist, name, fn)
+        finally:
+            session.close()
+        seen[(strategy, mode, tuple(extra))] = list(sent)
+    return seen
+
+
+def test_each_strategys_collectives_are_those_the_projection_counts(tmp_path):
+    from rayvit.projection import comms
+
+    seen, _ = _two_ranks(tmp_path, _step_collectives)
+    for (strategy, mode, extra), sent in seen.items():
+        cfg = load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}", *extra,
+                                              "parallel.num_workers=2"])
+        projected = sorted((m.kind, m.bytes) for m in comms.step_messages(cfg, 2))
+        sent = sorted(sent)
+        assert [k for k, _ in sent] == [k for k, _ in projected], (strategy, mode, extra)
+        assert sum(b for _, b in sent) == sum(b for _, b in projected), (strategy, mode, extra)
+        # DDP rebuilds its buckets in the order gradients become ready, which autocast shifts by a tensor or
+        # two from the reverse parameter order the projection assumes (amp: one 384-element bias).
+        for (_, got), (_, want) in zip(sent, projected):
+            assert got == pytest.approx(want, rel=1e-3), (strategy, mode, extra, sent, projected)

@@ -73,8 +73,81 @@ def test_ddp_against_fsdp_communication_volume_at_8_chips():
                                            "parallel.reshard_after_forward": False}), n)
     ln = 25 * 2 * 768
     assert comms.bytes_moved_per_rank(mixed, n) == pytest.approx(7 / 8 * ((2 + 4) * padded + 2 * ln))
+    # DDP reducing mixed gradients in half: LayerNorm's fp32 gradients still go in fp32, in buckets of their own.
     half = comms.step_messages(vit_b16(**{"precision.mode": "mixed", "parallel.reduce_dtype": "half"}), n)
-    assert comms.bytes_moved_per_rank(half, n) == 2 * 7 / 8 * 2 * P_B16
+    assert comms.bytes_moved_per_rank(half, n) == 2 * 7 / 8 * (2 * (P_B16 - ln) + 4 * ln)
+
+
+def test_amp_gradients_are_reduced_in_fp32_whatever_the_reduce_dtype():
+    """Under amp the parameters and their gradients are fp32: every strategy reduces them in fp32."""
+    n = 8
+    for strategy in ("ddp", "fsdp", "fairscale_oss"):
+        amp = vit_b16(**{"parallel.strategy": strategy, "precision.mode": "amp", "parallel.reduce_dtype": "half"})
+        fp32 = vit_b16(**{"parallel.strategy": strategy})
+        assert [m.bytes for m in comms.step_messages(amp, n)] == [m.bytes for m in comms.step_messages(fp32, n)]
+    amp = vit_b16(**{"parallel.strategy": "fairscale_fsdp", "parallel.use_gpu": True, "precision.mode": "amp",
+                     "parallel.reduce_dtype": "half"})
+    assert {m.element_bytes for m in comms.step_messages(amp, n) if m.kind == "reduce_scatter"} == {4}
+
+
+def test_fsdp2_gathers_and_reduces_fp32_layernorm_groups_of_their_own():
+    """Under mixed with fp32 LayerNorm, FSDP2 holds each block's two norms as one group and the final norm as
+    another (an FSDP2 group has one dtype): 13 units + 12 + 1 norm groups, each gathered (twice when
+    resharding) and reduce-scattered, the norm groups in fp32."""
+    n, ln_block = 8, 4 * 768
+    for reshard, per_group in ((True, 3), (False, 2)):
+        msgs = comms.step_messages(vit_b16(**{"parallel.strategy": "fsdp", "precision.mode": "mixed",
+                                              "parallel.reshard_after_forward": reshard}), n)
+        assert len(msgs) == per_group * (13 + 12 + 1)
+        norm_msgs = [m for m in msgs if "norms" in m.what]
+        assert len(norm_msgs) == per_group * 13
+        assert {m.bytes for m in norm_msgs if m.what.startswith("blocks.")} == {4 * ln_block}    # fp32
+    # Without fp32 LayerNorm the norms travel inside their blocks, in half.
+    plain = comms.step_messages(vit_b16(**{"parallel.strategy": "fsdp", "precision.mode": "mixed",
+                                           "precision.layer_norm_fp32": False}), n)
+    assert len(plain) == 3 * 13
+
+
+def test_fairscale_fsdp_messages_root_unresharded_layernorm_wrappers_and_its_bucketer():
+    n = 8
+    cfg = vit_b16(**{"parallel.strategy": "fairscale_fsdp", "parallel.use_gpu": True})
+    msgs = comms.step_messages(cfg, n)
+    gathers = [m for m in msgs if m.kind == "all_gather"]
+    # FairScale never reshards its root (disable_reshard_on_root): 13 gathers for forward, 12 for backward.
+    assert [m.phase for m in gathers].count("forward") == 13 and [m.phase for m in gathers].count("backward") == 12
+    # fp32 blocks (28.3 MB of gradient) exceed the 25 MiB bucket and go at once; the root's 6 MB waits in
+    # the bucket until backward ends.
+    reduces = [m for m in msgs if m.kind == "reduce_scatter"]
+    assert [m.phase for m in reduces] == ["backward"] * 12 + ["after"]
+    assert reduces[-1].what == "bucket: root grads"
+
+    # mixed fp16 with fp32 LayerNorm, fp32 reduction: each of the 25 LayerNorms a wrapper of its own with
+    # unflattened parameters, one fp32 gather per tensor in forward only; their fp32 gradients share the
+    # bucket with the root's, sent when backward ends.
+    mixed = comms.step_messages(cfg.replace({"precision.mode": "mixed", "precision.dtype": "fp16"}), n)
+    ln_gathers = [m for m in mixed if m.kind == "all_gather" and ".norm" in "." + m.what]
+    assert len(ln_gathers) == 50 and {m.phase for m in ln_gathers} == {"forward"}
+    assert {m.bytes for m in ln_gathers} == {768 * 4}
+    assert len([m for m in mixed if m.kind == "all_gather"]) == 13 + 50 + 12
+    last = mixed[-1]
+    assert last.phase == "after" and last.element_bytes == 4 and last.what.count("grads") == 1 + 50
+    assert last.bytes == (-(-(P_B16 - 12 * 7_084_800 - 25 * 2 * 768) // n) * n + 50 * 768) * 4
+
+
+def test_ddp_buckets_exist_at_one_rank_too():
+    """The reducer builds its buckets (a second copy of the gradients) at world size 1 as well: the
+    transient bytes the projection counts equal the buckets DDP reports, per dtype under mixed."""
+    from rayvit.worker import Session
+
+    cfg = load_config(overrides=["parallel.strategy=ddp", "precision.mode=mixed", "model.depth=2"])
+    session = Session(cfg)
+    try:
+        sizes = [int(b) for b in session.model._get_ddp_logging_data()["bucket_sizes"].split(",")]
+    finally:
+        session.close()
+    assert len(sizes) == 2                                   # fp32 LayerNorm apart from the bf16 weights
+    assert memory.transient_bytes(cfg, 1) == sum(sizes)
+    assert len(comms.step_messages(cfg, 1)) == 2
 
 
 def test_vit_b16_memory_breakdown_by_hand():
