@@ -154,9 +154,11 @@ class TrainConfig:
     eval_every: int = 0
     checkpoint_every: int = 0
     max_failures: int = 0
-    # Fault injection: crash `fail_rank` once when it reaches this step (0 = off).
+    # Fault injection: crash `fail_rank` (-1: every rank) once when it reaches this step (0 = off): "raise"
+    # an exception (a crashed step), or "exit" the worker process at once (a lost worker or node).
     fail_at_step: int = 0
     fail_rank: int = 0
+    fail_mode: Literal["raise", "exit"] = "raise"
     compile: bool = False
 
 
@@ -234,6 +236,14 @@ class SearchConfig:
     asha_reduction_factor: float = 2.0
     # 0 = as many trials at once as the cluster has room for (each trial's workers need their own CPUs/GPUs).
     max_concurrent_trials: int = 0
+    # Screen before training (grid searches): time every setting's training step in one process on one
+    # device of the kind the trials get, train in the order of the screened objective, skip settings that
+    # cannot beat the baseline or the best feasible trial by more than the screen's noise
+    # (rayvit.studies.screen). screen_steps: timed steps per setting and round; screen_seconds: the most
+    # one setting's timed steps take per round (a setting 20x slower is decided by one step).
+    screen: bool = True
+    screen_steps: int = 6
+    screen_seconds: float = 1.5
 
 
 class _Sections:
@@ -595,8 +605,8 @@ def _validate_train(t: TrainConfig, p: ParallelConfig) -> None:
     _check(t.report_every >= 1, "train.report_every must be at least 1")
     for key in ("eval_every", "checkpoint_every", "max_failures", "fail_at_step"):
         _check(getattr(t, key) >= 0, f"train.{key} must be >= 0")
-    _check(0 <= t.fail_rank < p.num_workers,
-           f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers})")
+    _check(-1 <= t.fail_rank < p.num_workers,
+           f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers}), or be -1 (every worker)")
 
 
 def _validate_launch(launch: LaunchConfig) -> None:
@@ -625,3 +635,5 @@ def validate_search(q: SearchConfig) -> None:
     _check(q.asha_grace_steps >= 0, "search.asha_grace_steps must be >= 0")
     _check(q.asha_reduction_factor > 1, f"search.asha_reduction_factor={q.asha_reduction_factor} must be > 1")
     _check(0 < q.target_accuracy <= 1, f"search.target_accuracy={q.target_accuracy} must be in (0, 1]")
+    _check(q.screen_steps >= 1, f"search.screen_steps={q.screen_steps} must be at least 1")
+    _check(q.screen_seconds > 0, f"search.screen_seconds={q.screen_seconds} must be > 0")

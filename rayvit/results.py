@@ -13,7 +13,7 @@ METRIC_KEYS = (
     "images_per_sec_per_chip",
     "tflops_per_chip",             # analytic training FLOPs per image x images/s per chip / 1e12
     "mfu",                         # tflops_per_chip / the chip's dense peak for the dtype in use
-    "step_time_s",                 # mean timed step of the slowest rank (= batch / images_per_sec_per_chip)
+    "step_time_mean_s",            # mean timed step of the slowest rank (= batch / images_per_sec_per_chip)
     "step_time_p50_s",
     "step_time_p90_s",
     "model_state_bytes_per_rank",  # parameters + gradients + optimizer state actually held (max over ranks)
@@ -113,7 +113,7 @@ class RunResult:
 
         Throughput figures become the median over rounds with their 95% interval (``<key>_lo``,
         ``<key>_hi``; :mod:`rayvit.stats`); step-time percentiles are over every round's timed steps;
-        memory is the worst round's; everything else (loss, accuracy, history, per-rank lists) is the
+        memory is the worst round's (per rank too); everything else (loss, accuracy, history, per-rank lists) is the
         last round's, each round being the same training run from the same seed.
         """
         from rayvit import stats
@@ -132,6 +132,11 @@ class RunResult:
             values = [res.metrics[key] for res in results if res.metrics.get(key) is not None]
             if values:
                 metrics[key] = max(values)
+        per_rank = dict(last.per_rank)
+        for key in ("peak_memory_bytes", "peak_memory_reserved_bytes"):
+            lists = [res.per_rank[key] for res in results if res.per_rank.get(key)]
+            if lists:   # each rank's worst round, so that the run's figure stays the max over ranks
+                per_rank[key] = [max((v for v in values if v is not None), default=None) for values in zip(*lists)]
         every_step = [t for res in results for t in res.step_times]
         metrics.update(step_time_percentiles(every_step))
         metrics["timed_steps"] = float(len(every_step))
@@ -141,6 +146,6 @@ class RunResult:
             metrics["epoch_time_imagenet_h"] = IMAGENET_TRAIN_IMAGES / metrics["images_per_sec"] / 3600
         return cls(metrics=metrics, conditions=dict(last.conditions), history=list(last.history),
                    evals=list(last.evals), config=dict(last.config), restarts=last.restarts,
-                   per_rank=dict(last.per_rank), links=last.links, step_times=list(last.step_times),
+                   per_rank=per_rank, links=last.links, step_times=list(last.step_times),
                    rounds=rounds)
 

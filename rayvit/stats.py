@@ -32,7 +32,7 @@ SEED = 20221208
 
 # Figures that get ``<key>_lo`` / ``<key>_hi`` beside them: every throughput figure of a point, each a
 # function of the round's timed step times (see :func:`round_figures`).
-INTERVAL_KEYS = ("images_per_sec_per_chip", "images_per_sec", "tflops_per_chip", "mfu", "step_time_s")
+INTERVAL_KEYS = ("images_per_sec_per_chip", "images_per_sec", "tflops_per_chip", "mfu", "step_time_mean_s")
 
 # A block: (timed steps, their seconds).
 Block = tuple[int, float]
@@ -177,7 +177,7 @@ def figure_functions(batch_per_chip: int, world_size: int, train_flops_per_image
         "images_per_sec_per_chip": per_chip,
         "images_per_sec": lambda s: per_chip(s) * world_size,
         "tflops_per_chip": lambda s: train_flops_per_image * per_chip(s) / 1e12,
-        "step_time_s": lambda s: s,
+        "step_time_mean_s": lambda s: s,
     }
     if peak_tflops:
         functions["mfu"] = lambda s: train_flops_per_image * per_chip(s) / 1e12 / peak_tflops

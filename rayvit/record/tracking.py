@@ -392,6 +392,18 @@ class SweepTracker:
             done[key] = (run.info.run_id, result, run.data.tags.get(TAG_HASH, ""))
         return done
 
+    def close_abandoned(self) -> list[str]:
+        """Mark KILLED this sweep's child runs still RUNNING from a driver that died (SIGKILL, a lost head
+        node): they never finish, and the rerun measures their points again. Returns their point keys."""
+        if self.parent_id is None:
+            return []
+        runs = self._search(f"tags.`{TAG_PARENT}` = {_quote(self.parent_id)} and "
+                            f"tags.`{TAG_KIND}` = 'point' and attributes.status = 'RUNNING'")
+        for run in runs:
+            self.fail_point(run.info.run_id, "the driver stopped before this point finished; the rerun of the "
+                                             "sweep measured it again", status="KILLED")
+        return [run.data.tags.get(TAG_POINT, "?") for run in runs]
+
     def load_result(self, run_id: str) -> RunResult:
         # Artifact downloads draw a progress bar by default: noise between progress lines.
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -23,7 +23,7 @@ from rayvit.launch.resources import resources_for
 # Settings that do not change what a point measures, so a rerun with them changed still reuses it:
 # where and how it is launched, and fault injection used to test recovery.
 _UNHASHED_SECTIONS = ("launch",)
-_UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.max_failures")
+_UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.fail_mode", "train.max_failures")
 
 LADDER_FILE = Path(__file__).with_name("ladder.yaml")
 
@@ -184,6 +184,15 @@ class SearchPlan:
         cfg = derive(self.base, setting, f"search setting {setting_label(setting)}")
         return Point(index, label, label, cfg.parallel.num_workers, cfg, dict(setting))
 
+    def candidates(self) -> list[Point]:
+        """Every setting of a grid as a trial point: ``t01``, ``t02``, ... in grid order (stable across
+        reruns, so a resumed search finds its finished trials by label)."""
+        return [self.trial(i + 1, trial_key(i + 1), s) for i, s in enumerate(self.settings)]
+
+
+def trial_key(index: int) -> str:
+    return f"t{index:02d}"
+
 
 def setting_label(overrides: Mapping[str, Any]) -> str:
     """``mode=pure image_size=40 impl=loop``: short enough for a table column and a run name."""
@@ -206,10 +215,16 @@ def plan_search(study: Study) -> SearchPlan:
     if len(settings) > 10_000 and s.algorithm == "grid":
         raise ConfigError(f"search.space spans {len(settings)} settings: too many for a grid; use "
                           "search.algorithm=optuna with search.num_samples")
-    for setting in settings:
-        derive(cfg, setting, "search.space setting " + setting_label(setting))
     baseline = Point(0, "baseline", "baseline", baseline_cfg.parallel.num_workers, baseline_cfg, dict(s.baseline))
-    return SearchPlan(study, baseline, space, settings)
+    kept = []
+    for setting in settings:
+        point = Point(0, "", "", 0, derive(cfg, setting, "search.space setting " + setting_label(setting)))
+        # The baseline's own setting is not a trial: the baseline's run is its measurement.
+        if point.config_hash != baseline.config_hash:
+            kept.append(setting)
+    if not kept:
+        raise ConfigError("search.space holds only the baseline's own setting: give it settings to try")
+    return SearchPlan(study, baseline, space, kept)
 
 
 def _search_space(study: Study) -> dict[str, list[Any]]:

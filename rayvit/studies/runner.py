@@ -235,6 +235,7 @@ class StudyRun:
         self.done = self.tracker.completed()
         self.parent_id: Optional[str] = None
         self.links: Optional[dict] = None     # the links the last group measured, if it was asked to
+        self.abandoned: list[str] = []        # points a killed driver left running (marked KILLED at start)
 
     @property
     def resumed(self) -> bool:
@@ -255,6 +256,8 @@ class StudyRun:
     def start(self, tags: Mapping[str, Any]) -> str:
         self.parent_id = self.tracker.start(params=self.study.flatten(), tags=tags,
                                             config_yaml=self.study.to_yaml())
+        # A driver killed without a word (SIGKILL, a lost head node) left its points RUNNING.
+        self.abandoned = self.tracker.close_abandoned() if self.resumed else []
         return self.parent_id
 
     def run_point(self, point: Point, fit: Callable[..., RunResult], tags: Mapping[str, Any],

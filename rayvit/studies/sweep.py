@@ -73,6 +73,8 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
         f"parent run {parent}")
     out(f"tracking: {run.uri}" + ("  (resuming: finished points are reused)" if run.resumed else ""))
     out(f"resume with: --name {name}")
+    if run.abandoned:
+        out(f"{', '.join(run.abandoned)}: left running by a driver that stopped; measuring again")
     growth = capacity.summary(verdicts)
     if growth:
         out(growth)
@@ -148,8 +150,9 @@ class _Links:
                      "hardware profile's links")
         elif self.pending and newest:
             self.pending, self.measured = False, newest
-            where = [o.point.key for o in outcomes if o.point.world_size == self.count and o.status == "done"]
-            self.out(self.insweep.describe_measured(self.measured, ", ".join(where) or f"{self.count} workers"))
+            where = ", ".join(o.point.key for o in outcomes if o.point.world_size == self.count and o.status == "done")
+            run.tracker.set_parent_tags({"rayvit.links_measured_on": where})
+            self.out(self.insweep.describe_measured(self.measured, where or f"{self.count} workers"))
         elif self.pending and last:
             self.pending = False
             self.out(f"projection: no point at {self.count} workers finished, so the links were not measured; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -234,7 +235,7 @@ class Session:
             "images_per_sec_per_chip": per_chip,
             "tflops_per_chip": rate["tflops_per_chip"],
             "mfu": rate["mfu"],
-            "step_time_s": self.cfg.train.batch_size / per_chip if per_chip > 0 else math.nan,
+            "step_time_mean_s": self.cfg.train.batch_size / per_chip if per_chip > 0 else math.nan,
             **metrics.step_time_percentiles(slowest),
             "model_state_bytes_per_rank": stats[1].item(),
             **combined,
@@ -332,7 +333,9 @@ def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards:
             session.clear_grads()
             # Fault injection: crash once (never after a restart), to prove recovery from checkpoints.
             if t.fail_at_step and session.step == t.fail_at_step and session.restarts == 0 \
-                    and session.rank == t.fail_rank:
+                    and t.fail_rank in (session.rank, -1):
+                if t.fail_mode == "exit":
+                    os._exit(70)                   # no cleanup, no traceback: as a lost worker
                 raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
             loss = session.train_step()
             if on_step:

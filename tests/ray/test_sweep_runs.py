@@ -65,9 +65,19 @@ def default_sweep(store):
 def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store):
     proc, _ = default_sweep
     out = proc.stdout
-    assert "[1/6] running ddp @ 1 worker" in out and "[6/6] running fairscale_oss @ 2 workers" in out
-    assert re.search(r"\[2/6\] running .*elapsed 0:\d\d, about \d+:\d\d left", out)
+    # One worker group per worker count, every strategy in each of 3 interleaved rounds.
+    assert "[1/6] running ddp, fsdp, fairscale_oss @ 1 worker on one worker group, 3 interleaved rounds" in out
+    assert re.search(r"^\[4/6\] running ddp, fsdp, fairscale_oss @ 2 workers on one worker group, 3 interleaved "
+                     r"rounds .*elapsed \d:\d\d, about \d+:\d\d left", out, re.M)
+    assert len(re.findall(r"^\[\d/6\] round [123]/3: ddp/w\d [\d.]+, fsdp/w\d [\d.]+, fairscale_oss/w\d [\d.]+ "
+                          r"img/s/chip$", out, re.M)) == 6
+    assert re.search(r"^\[5/6\] fsdp/w2 done in \d+ s: [\d.e-]+ \([\d.e-]+-[\d.e-]+\) TFLOPS/chip, .* "
+                     r"\(median of 3 rounds, 95% interval\)$", out, re.M)
     assert re.search(r"^fsdp/w2\s+done\s+2\s", out, re.M)
+    # The table gives each figure's interval and says whether a strategy differs from DDP beyond noise.
+    assert re.search(r"^ddp/w2\s+done\s+2\s+[\d.]+ \([\d.]+-[\d.]+\) .*1\.00x \(1\.00-1\.00\)\s+DDP\s", out, re.M)
+    assert re.search(r"^fsdp/w2 .* [\d.]+x \([\d.]+-[\d.]+\)\s+(faster than|slower than|within noise of) DDP\s",
+                     out, re.M)
     # The table's peak memory per rank (max over ranks, MiB; the process's resident set on CPU).
     lines = out.splitlines()
     titles = re.split(r"\s{2,}", next(line for line in lines if line.startswith("point ")).strip())
@@ -76,11 +86,11 @@ def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store
     assert "peak MB/rank on CPU: the worker process's peak resident set" in out
     assert "6 points ran, 0 reused, 0 failed" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{store[0]}/mlflow.db" in out
-    # The collective microbenchmark runs on the first 2-worker point's own workers after its training (so
-    # an autoscaling cluster never grows ahead of the points), and is printed before the next one starts.
+    # The collective microbenchmark runs on the 2-worker group's own workers after their rounds (so an
+    # autoscaling cluster never grows ahead of the points), and is printed once they are done.
     bench = out.index("collectives over 2 gloo ranks")
-    first_w2 = re.search(r"^\[\d/6\] \w+/w2 done in", out, re.M).start()
-    assert first_w2 < bench < out.index("@ 2 workers", out.index("@ 2 workers", 0) + 1)
+    assert out.index("[6/6] fairscale_oss/w2 done in") < bench < out.index("\npoint ")
+    assert "measured on the workers of ddp/w2, fsdp/w2, fairscale_oss/w2 after their training" in out
 
 
 @pytest.mark.slow
@@ -99,6 +109,12 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert {"accelerator", "torch_version", "ray_version", "mlflow_version"} <= set(tags)
         assert child.data.params["train.steps"] == "6" and child.data.params["model.hidden_dim"] == "64"
         assert child.data.metrics["tflops_per_chip"] > 0
+        # Medians over 3 rounds, each figure with its 95% interval.
+        m = child.data.metrics
+        assert m["rounds"] == 3 and m["timed_steps"] == 3 * 4
+        for key in ("images_per_sec_per_chip", "tflops_per_chip", "mfu", "step_time_mean_s", "speedup_vs_ddp"):
+            assert m[f"{key}_lo"] <= m[key] <= m[f"{key}_hi"], key
+        assert tags["rayvit.verdict"] in ("DDP", "faster than DDP", "slower than DDP", "within noise of DDP")
         # Summary figures at step = chips (overlaid across children in MLflow's compare view) ...
         assert [m.step for m in client.get_metric_history(child.info.run_id, "tflops_per_chip")] == [n]
         # ... and the per-step history of the run itself.
@@ -120,6 +136,8 @@ def test_default_sweep_store(default_sweep, tmp_path):
     speedups = {m.step: m.value for m in client.get_metric_history(pid, "speedup_vs_ddp/ddp")}
     assert speedups == {1: 1.0, 2: 1.0}
     assert len(client.get_metric_history(pid, "speedup_vs_ddp/fsdp")) == 2
+    assert len(client.get_metric_history(pid, "tflops_per_chip_lo/fsdp")) == 2
+    assert len(client.get_metric_history(pid, "speedup_vs_ddp_hi/fairscale_oss")) == 2
     # Curve runs: top-level runs tied to the sweep by tags (so the UI charts them side by side).
     curve_runs = client.search_runs([parent.info.experiment_id], f"tags.`rayvit.sweep_run` = '{pid}'")
     assert {c.data.tags["series"] for c in curve_runs} == {"ddp", "fsdp", "fairscale_oss"}
@@ -128,17 +146,15 @@ def test_default_sweep_store(default_sweep, tmp_path):
     assert {"config.yaml", "results.parquet", "scaling.png", "links.json", "projection.png"} <= names
     links = json.loads(Path(client.download_artifacts(pid, "links.json", str(tmp_path))).read_text())
     assert links["backend"] == "gloo" and links["world_size"] == 2
-    # ... measured on the workers of the first 2-worker point (its result.json carries them), no other.
-    carried = {}
+    # ... measured on the 2-worker group's workers after their rounds, with no worker group of their own.
+    assert parent.data.tags["rayvit.links_measured_on"] == "ddp/w2, fsdp/w2, fairscale_oss/w2"
+    # Each point's result.json keeps its rounds: step times and places in the rotated order.
     for c in children:
         folder = tmp_path / c.info.run_id
         folder.mkdir()
         result = json.loads(Path(client.download_artifacts(c.info.run_id, "result.json", str(folder))).read_text())
-        carried[c.info.run_id] = result["links"]
-    first_w2 = min((c for c in children if c.data.tags["rayvit.point"].endswith("/w2")),
-                   key=lambda c: c.info.start_time)
-    assert [run_id for run_id, value in carried.items() if value] == [first_w2.info.run_id]
-    assert carried[first_w2.info.run_id] == links
+        assert sorted(r["slot"] for r in result["rounds"]) == [0, 1, 2] and not result["links"]
+        assert [len(r["step_times"]) for r in result["rounds"]] == [4, 4, 4]
     table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
     assert table.num_rows == 6
     rows = table.to_pylist()
@@ -146,7 +162,12 @@ def test_default_sweep_store(default_sweep, tmp_path):
     assert all(r["model"] and r["precision"] == "fp32" and r["batch_per_chip"] == 16 for r in rows)
     ddp = {r["world_size"]: r for r in rows if r["strategy"] == "ddp"}
     for r in rows:
-        assert r["speedup_vs_ddp"] == pytest.approx(r["tflops_per_chip"] / ddp[r["world_size"]]["tflops_per_chip"])
+        # speedup_vs_ddp: the median over rounds of the ratio within each round (same workers, adjacent in
+        # time), from the step times the parquet keeps; the model's FLOPs are the same on both sides.
+        mine, ref = json.loads(r["round_step_times"]), json.loads(ddp[r["world_size"]]["round_step_times"])
+        per_round = sorted(sum(b) / sum(a) for a, b in zip(mine, ref))
+        assert r["speedup_vs_ddp"] == pytest.approx(per_round[1])
+        assert r["speedup_vs_ddp_lo"] <= r["speedup_vs_ddp"] <= r["speedup_vs_ddp_hi"] and r["rounds"] == 3
         assert len(r["peak_memory_bytes_by_rank"]) == r["world_size"]
         assert r["peak_memory_bytes_per_rank"] == max(r["peak_memory_bytes_by_rank"]) > 50 * 2**20
         assert r["gpu_utilization_pct"] is None and r["memory_measure"] == "process_rss"
@@ -265,3 +286,67 @@ def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(store):
     assert parent.info.status == "KILLED"
     (child,) = _children(client, parent.info.run_id)
     assert child.info.status == "KILLED" and "interrupted" in child.data.tags["rayvit.error"]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_is_resumed_measuring_only_what_is_missing(store):
+    """SIGKILL (no handler runs) once the 1-worker group is recorded, during the 2-worker group: the rerun
+    reuses the finished points, closes the ones the dead driver left running, and measures only those."""
+    root, env = store
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    sweep = [sys.executable, str(SCRIPT), "--name", "killed", "--set", "sweep.strategies=ddp,fsdp",
+             "--set", "sweep.rounds=2", *FEW_STEPS]
+    proc = subprocess.Popen(sweep, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            exp = client.get_experiment_by_name("cpu_default")
+            runs = exp and client.search_runs([exp.experiment_id], "tags.`rayvit.sweep` = 'killed' and "
+                                                                   "tags.`rayvit.kind` = 'point'")
+            if runs and len([r for r in runs if r.info.status == "FINISHED"]) == 2 and len(runs) == 4:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    parent = _parent(client, "cpu_default", "killed")
+    before = {c.data.tags["rayvit.point"]: c.info.status for c in _children(client, parent.info.run_id)}
+    assert before == {"ddp/w1": "FINISHED", "fsdp/w1": "FINISHED", "ddp/w2": "RUNNING", "fsdp/w2": "RUNNING"}
+
+    again = run_cli(env, *sweep[2:])
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "ddp/w2, fsdp/w2: left running by a driver that stopped; measuring again" in again.stdout
+    assert "2 points ran, 2 reused, 0 failed" in again.stdout
+    assert "running ddp, fsdp @ 2 workers" in again.stdout and "@ 1 worker " not in again.stdout
+    after = sorted((c.data.tags["rayvit.point"], c.info.status) for c in _children(client, parent.info.run_id))
+    assert after == [("ddp/w1", "FINISHED"), ("ddp/w2", "FINISHED"), ("ddp/w2", "KILLED"),
+                     ("fsdp/w1", "FINISHED"), ("fsdp/w2", "FINISHED"), ("fsdp/w2", "KILLED")]
+
+
+@pytest.mark.slow
+def test_the_ladder_measures_its_rungs_on_one_worker_group(store):
+    root, env = store
+    env = {**env, "RAYVIT_HOME": str(root / "ladder-home")}      # its Ray Train runs alone in their folder
+    proc = run_cli(env, "--config", str(SCRIPT.parent / "configs" / "ladder_cpu.yaml"), "--name", "ladder",
+                   "--set", "sweep.rungs=baseline,mixed_precision,fsdp", "--set", "parallel.num_workers=1",
+                   "--set", "sweep.rounds=2", *FEW_STEPS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "running baseline, mixed_precision, fsdp @ 1 worker on one worker group, 2 interleaved rounds" in out
+    assert "3 points ran, 0 reused, 0 failed" in out
+    assert re.search(r"^baseline\s+done\s+1\s.*1\.00x \(1\.00-1\.00\)\s+the baseline\s", out, re.M)
+    assert re.search(r"^fsdp\s+done\s+1\s.*[\d.]+x \([\d.]+-[\d.]+\)\s+(faster than|slower than|within noise "
+                     r"of) the baseline\s", out, re.M)
+    # One Ray Train run for the three rungs.
+    runs = [r.name for r in (root / "ladder-home" / "ray_results").glob("rayvit-*")]
+    assert len(runs) == 1 and runs[0].startswith("rayvit-group-1w-"), runs
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    parent = _parent(client, "ladder_cpu", "ladder")
+    rungs = {c.data.tags["rayvit.point"]: c for c in _children(client, parent.info.run_id)}
+    assert set(rungs) == {"0-baseline/w1", "1-mixed_precision/w1", "2-fsdp/w1"}
+    for c in rungs.values():
+        m = c.data.metrics
+        assert m["relative_throughput_lo"] <= m["relative_throughput"] <= m["relative_throughput_hi"]

@@ -118,3 +118,55 @@ def test_digits_as_parquet_train_through_ray_data(tmp_path):
     losses = [h["loss"] for h in result.history]
     assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
     assert result["val_accuracy"] > 0.3 and result["data"] == "parquet"
+
+
+# -- worker groups: several runs on one set of workers, in interleaved rounds ------------------------
+
+def test_a_worker_group_measures_every_run_in_rounds_and_a_failing_run_leaves_the_others(tmp_path):
+    from rayvit.trainer import fit_group
+
+    base = ["train.steps=6", "train.warmup_steps=1", f"launch.storage={tmp_path}"]
+    cfgs = [two_workers(*base), two_workers(*base, "parallel.strategy=fsdp", "train.fail_at_step=3", "train.fail_rank=-1"),
+            two_workers(*base, "parallel.strategy=fairscale_oss")]
+    items = []
+    group = fit_group(cfgs, 3, on_progress=items.append)
+    # Every rank raised alike (as an unsupported setting or an even OOM would): the group goes on.
+    assert group.results[1] is None and "injected fault on rank 0 at step 3" in group.errors[1]
+    for i in (0, 2):
+        r = group.results[i]
+        assert group.errors[i] is None and r["rounds"] == 3 and r["strategy"] == cfgs[i].parallel.strategy
+        assert r["images_per_sec_per_chip_lo"] <= r["images_per_sec_per_chip"] <= r["images_per_sec_per_chip_hi"]
+        assert [len(x["step_times"]) for x in r.rounds] == [5, 5, 5]
+    # Rotated order: fairscale_oss ran last, first, and (fsdp gone) first again.
+    assert [x["slot"] for x in group.results[2].rounds] == [2, 0, 0]
+    # Round results reached the driver as they finished; the group was one Ray Train run.
+    rounds = [(i["index"], i["round"]) for i in items if i.get("kind") == "round"]
+    assert rounds == [(0, 0), (1, 0), (2, 0), (2, 1), (0, 1), (2, 2), (0, 2)]
+    assert len([d for d in os.listdir(tmp_path) if d.startswith("rayvit-group-2w-")]) == 1
+
+
+def test_a_group_that_dies_keeps_finished_points_and_measures_the_rest_alone(tmp_path):
+    """A worker process exits in the middle of the group (as a lost node would): the point that had
+    finished its rounds keeps them, the others run again in runs of their own."""
+    from rayvit.config import load_study
+    from rayvit.studies.plan import Point
+    from rayvit.studies.runner import Progress, StudyRun
+    from rayvit.trainer import fit_group
+
+    study = load_study(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "sweep.name=dies"])
+    base = ["train.steps=6", "train.warmup_steps=1"]
+    cfgs = {"ddp/w2": two_workers(*base), "exits/w2": two_workers(*base, "train.fail_at_step=3",
+                                                                     "train.fail_mode=exit", "train.fail_rank=1"),
+            "fsdp/w2": two_workers(*base, "parallel.strategy=fsdp")}
+    points = [Point(i + 1, key, key.split("/")[0], 2, cfg) for i, (key, cfg) in enumerate(cfgs.items())]
+    run = StudyRun(study, "dies", "groups", kind="scaling")
+    run.start({})
+    lines = []
+    outcomes = run.run_group(points, 1, fit_group, lambda p: {}, Progress(3, lines.append, tty=False))
+    assert [o.status for o in outcomes] == ["done", "failed", "done"], [o.error for o in outcomes]
+    text = "\n".join(lines)
+    assert "the worker group at 2 workers failed" in text
+    assert "keeping ddp/w2 (all rounds finished) and measuring exits/w2, fsdp/w2 in separate runs" in text
+    assert outcomes[2].result["rounds"] == 1 and outcomes[0].result["strategy"] == "ddp"
+    statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
+    assert statuses == {"ddp/w2": "FINISHED", "exits/w2": "FAILED", "fsdp/w2": "FINISHED"}

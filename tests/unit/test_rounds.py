@@ -108,7 +108,7 @@ def test_a_points_figures_are_medians_over_its_rounds_with_intervals():
     assert m["images_per_sec"] == pytest.approx(2 * 16 / 0.11)
     assert m["tflops_per_chip"] == pytest.approx(1e9 * 16 / 0.11 / 1e12)
     assert m["mfu"] == pytest.approx(m["tflops_per_chip"] / 2.0)
-    assert (m["step_time_s_lo"], m["step_time_s"], m["step_time_s_hi"]) == pytest.approx((0.10, 0.11, 0.12))
+    assert (m["step_time_mean_s_lo"], m["step_time_mean_s"], m["step_time_mean_s_hi"]) == pytest.approx((0.10, 0.11, 0.12))
     assert [(r["round"], r["slot"]) for r in point.rounds] == [(0, 1), (1, 0), (2, 2)]
     assert RunResult.from_dict(point.to_dict()).rounds == point.rounds
     with pytest.raises(ValueError):
