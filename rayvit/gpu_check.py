@@ -6,7 +6,8 @@
     rayvit gpu-check --model vit_h16      # the study's ViT-H/16
     rayvit gpu-check --compile            # also torch.compile one training run
 
-Checks, each PASS or FAIL with its reason:
+Checks, each PASS or FAIL with its reason, or N/A where this machine cannot tell (a check that cannot
+fail here is never reported as passed):
   nccl         a one-rank NCCL process group all-reduces a CUDA tensor
   precision    fp32, and amp / mixed / pure in bf16 and fp16: a small ViT trains (rayvit.worker.train),
                its loss is finite and falls
@@ -15,8 +16,10 @@ Checks, each PASS or FAIL with its reason:
   layernorm    under mixed, for ddp, fsdp and fairscale_fsdp: LayerNorm weights and outputs fp32 while the
                matmuls run in half (forward hooks), and the norms' gradients fp32
   reduce       the dtype gradients are reduced in (parallel.reduce_dtype): DDP's hook seen on the wire,
-               FSDP2's reduce buffer, FairScale's fp32_reduce_scatter (one rank: FairScale sends nothing)
-  decay        fairscale_fsdp weight decay over flat parameters: matrices decay, the rest does not
+               FSDP2's reduce buffer; FairScale's reduce-scatters on two GPUs over NCCL (at one rank
+               FairScale sends nothing and forces fp32: N/A on a one-GPU machine)
+  decay        fairscale_fsdp weight decay over sharded flat parameters, two gloo ranks sharing the GPU:
+               matrices decay, the rest does not
   flash        torch.backends.cuda.flash_sdp_enabled(); SDPA in bf16 runs with only the flash backend
                allowed, for raw tensors and for the ViT's attention in both layouts; and whether SDPA's
                own choice was a flash kernel (profiler)
@@ -115,6 +118,48 @@ def no_cuda_reason() -> Optional[str]:
 
 # --------------------------------------------------------------------------------------------------
 # Checks: each returns a short detail string, or raises with the reason it failed.
+
+
+class NotCheckable(Exception):
+    """A check that cannot fail on this machine (e.g. one that needs a second GPU): reported N/A."""
+
+
+def _two_rank_entry(rank: int, backend: str, devices: Optional[tuple], folder: str, fn, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu") if devices is None else torch.device("cuda", devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        try:
+            outcome = ("ok", fn(device, *args))
+        except Exception as e:              # the parent raises it, with the rank
+            outcome = ("error", f"{_one_line(e)}\n{traceback.format_exc()}")
+        torch.save(outcome, f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def on_two_ranks(fn: Callable, *args, backend: str = "gloo", devices: Optional[tuple] = None) -> list:
+    """``fn(device, *args)`` on two ranks of a new process group in spawned processes; their results.
+
+    ``devices``: the CUDA device index of each rank (gloo allows both on one GPU; NCCL needs two), or
+    None for CPU. A rank's exception is raised here, naming the rank.
+    """
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_two_rank_entry, args=(backend, devices, folder, fn, args), nprocs=2, join=True)
+        outcomes = [torch.load(f"{folder}/rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, (kind, value) in enumerate(outcomes):
+        if kind == "error":
+            raise RuntimeError(f"rank {r}: {value}")
+    return [value for _, value in outcomes]
 
 
 def check_nccl(device) -> str:
@@ -245,13 +290,25 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     expected = torch.float32 if reduce == "fp32" else half
+    if strategy == "fairscale_fsdp":
+        # At one rank FairScale reduces nothing and forces fp32_reduce_scatter: ->fp32 and ->half pass alike.
+        if not (device.type == "cuda" and torch.cuda.device_count() >= 2):
+            raise NotCheckable("not checkable on one GPU: FairScale reduces nothing at one rank and forces "
+                               "fp32_reduce_scatter there; needs two GPUs")
+        ranks = on_two_ranks(_fairscale_reduce_dtypes, mode, dtype, reduce, steps, backend="nccl", devices=(0, 1))
+        sent = set().union(*ranks)
+        facts = f"2 ranks (NCCL), reduce-scattered in {_names(sent)}"
+        # fp32 LayerNorm wrappers (mixed) always reduce their fp32 gradients in fp32 beside the half ones.
+        if not (expected in sent and sent <= {expected, torch.float32}):
+            raise RuntimeError(f"expected {dtype_name(expected)}: {facts}")
+        return facts
     sent: list = []
     if strategy == "ddp":
         module, name = dist, "all_reduce"
     elif strategy == "fsdp":
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as module
         name = "foreach_reduce_scatter_copy_in"
-    real = getattr(module, name) if strategy != "fairscale_fsdp" else None
+    real = getattr(module, name)
 
     def spy(*args, **kwargs):
         tensor = args[0] if strategy == "ddp" else args[1]
@@ -259,25 +316,17 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
             sent.append(tensor.dtype)
         return real(*args, **kwargs)
 
-    if real is not None:
-        setattr(module, name, spy)
+    setattr(module, name, spy)
     try:
         session, _ = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
                                                "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
     finally:
-        if real is not None:
-            setattr(module, name, real)
+        setattr(module, name, real)
     try:
         recorded = session.conditions("check")["reduce_dtype"]
-        if strategy == "fairscale_fsdp":
-            flags = {w.fp32_reduce_scatter for w in session.model.modules() if getattr(w, "mixed_precision", False)}
-            grads = {p.grad.dtype for p in session.model.parameters() if p.grad is not None}
-            facts = f"1 rank, no reduction; fp32_reduce_scatter {sorted(flags)}, grads {_names(grads)}"
-            ok = flags == {True} and grads == {torch.float32}
-        else:
-            facts = f"reduced in {_names(set(sent))}"
-            # fp32 LayerNorm gradients (mixed) always travel in fp32 beside the half ones.
-            ok = expected in sent and set(sent) <= {expected, torch.float32}
+        facts = f"reduced in {_names(set(sent))}"
+        # fp32 LayerNorm gradients (mixed) always travel in fp32 beside the half ones.
+        ok = expected in sent and set(sent) <= {expected, torch.float32}
     finally:
         session.close()
     facts += f"; recorded reduce_dtype={recorded}"
@@ -286,9 +335,36 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
     return facts
 
 
-def check_fairscale_weight_decay(device) -> str:
-    """One AdamW step on zero gradients is pure decay: flat-parameter elements from matrices shrink by
-    ``1 - lr * wd``, those from biases, norms, position embedding and class token do not move."""
+def _fairscale_reduce_dtypes(device, mode: str, dtype: str, reduce: str, steps: int) -> set:
+    """On one of two ranks: the dtypes FairScale FSDP reduce-scatters gradients in over ``steps`` steps."""
+    import torch
+    import torch.distributed as dist
+
+    sent: set = set()
+    names = [n for n in ("_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+
+    def spy(*args, _name, **kwargs):
+        given = args[1] if len(args) > 1 else kwargs.get("input", kwargs.get("input_list"))
+        sent.add((given[0] if isinstance(given, (list, tuple)) else given).dtype)
+        return real[_name](*args, **kwargs)
+
+    for n in names:          # fairscale.internal.reduce_scatter_bucketer looks them up on torch.distributed
+        setattr(dist, n, lambda *a, _n=n, **k: spy(*a, _name=_n, **k))
+    try:
+        session, _ = _trained_session(device, {"parallel.strategy": "fairscale_fsdp", "precision.mode": mode,
+                                               "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
+        session.close()
+    finally:
+        for n, fn in real.items():
+            setattr(dist, n, fn)
+    if not sent:
+        raise RuntimeError("FairScale reduce-scattered nothing at two ranks")
+    return sent
+
+
+def _decayed_shards(device) -> tuple[int, int, int]:
+    """On one of two ranks: one AdamW step on zero gradients over this rank's flat-parameter shards."""
     import torch
 
     from rayvit.worker import Session
@@ -297,6 +373,8 @@ def check_fairscale_weight_decay(device) -> str:
                                     "optim.lr": 0.1}), device)
     try:
         decay = session.strategy.masked_decay
+        if not all(getattr(p, "_is_sharded", False) for p in decay.params):
+            raise RuntimeError("the flat parameters are not sharded: the sharded branch was not taken")
         before = [p.detach().clone() for p in decay.params]
         for p in decay.params:
             p.grad = torch.zeros_like(p)
@@ -304,11 +382,23 @@ def check_fairscale_weight_decay(device) -> str:
         for p, old, mask in zip(decay.params, before, decay.masks):
             torch.testing.assert_close(p.detach()[mask], old[mask] * (1 - 0.1 * 0.5))
             torch.testing.assert_close(p.detach()[~mask], old[~mask], rtol=0, atol=0)
-        decayed = sum(int(m.sum()) for m in decay.masks)
-        total = sum(m.numel() for m in decay.masks)
+        return (len(decay.params), sum(int(m.sum()) for m in decay.masks), sum(m.numel() for m in decay.masks))
     finally:
         session.close()
-    return f"{len(decay.params)} flat parameters: {decayed:,} of {total:,} elements decay (matrices), the rest do not"
+
+
+def check_fairscale_weight_decay(device) -> str:
+    """One AdamW step on zero gradients is pure decay: flat-parameter elements from matrices shrink by
+    ``1 - lr * wd``, those from biases, norms, position embedding and class token do not move. On two
+    gloo ranks sharing the device, so that each rank steps a shard of every flat parameter (at one rank
+    FairScale does not shard, and the masks' shard arithmetic would go unchecked)."""
+    devices = None if device.type == "cpu" else (device.index or 0,) * 2
+    (params, decayed0, total0), (_, decayed1, total1) = on_two_ranks(_decayed_shards, backend="gloo",
+                                                                     devices=devices)
+    if not (total0 and total1):
+        raise RuntimeError(f"a rank holds no flat-parameter elements ({total0:,} and {total1:,})")
+    return (f"{params} flat parameters over 2 ranks: {decayed0:,} of {total0:,} and {decayed1:,} of {total1:,} "
+            f"elements decay (matrices), the rest do not")
 
 
 def check_flash(device) -> str:
@@ -478,19 +568,26 @@ def run_checks(device, *, compile_: bool, out: Callable[[str], None], quick: boo
     checks = plan_checks(device, quick=quick, compile_=compile_)
     results = []
     for name, fn in checks:
-        start = time.perf_counter()
-        traceback_text = None
-        try:
-            detail, ok = fn(), True
-        except Exception as e:
-            detail, ok = _one_line(e), False
-            traceback_text = traceback.format_exc()     # in the JSON file; the console gets one line
-        seconds = time.perf_counter() - start
-        out(f"  {'PASS' if ok else 'FAIL'}  {name:<44} {seconds:5.1f} s  {detail}")
-        results.append({"check": name, "ok": ok, "seconds": round(seconds, 2), "detail": detail,
-                        "traceback": traceback_text})
+        results.append(run_check(name, fn, out))
         _free_device_memory(device)
     return results
+
+
+def run_check(name: str, fn: Callable[[], str], out: Callable[[str], None]) -> dict[str, Any]:
+    """One check: ``ok`` True (PASS), False (FAIL, with its traceback) or None (N/A: cannot fail here)."""
+    start = time.perf_counter()
+    traceback_text = None
+    try:
+        detail, ok = fn(), True
+    except NotCheckable as e:
+        detail, ok = str(e), None
+    except Exception as e:
+        detail, ok = _one_line(e), False
+        traceback_text = traceback.format_exc()     # in the JSON file; the console gets one line
+    seconds = time.perf_counter() - start
+    status = {True: "PASS", False: "FAIL", None: "N/A "}[ok]
+    out(f"  {status}  {name:<44} {seconds:5.1f} s  {detail}")
+    return {"check": name, "ok": ok, "seconds": round(seconds, 2), "detail": detail, "traceback": traceback_text}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -627,13 +724,15 @@ def main(argv: Optional[list[str]] = None, prog: str = "rayvit gpu-check") -> in
             print(f"  {row['series']:<18} " + (f"{ratio:.2f}x" if ratio else "-") +
                   (f"  [{study:.2f}x]" if study else ""))
 
-    failed = [c["check"] for c in checks if not c["ok"]] + [r["point"] for r in rows if r["status"] != "done"]
+    failed = [c["check"] for c in checks if c["ok"] is False] + [r["point"] for r in rows if r["status"] != "done"]
     report = {"environment": env, "args": vars(args), "checks": checks, "ladder": rows,
               "failed": failed, "seconds": round(time.perf_counter() - start, 1)}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\n{'all passed' if not failed else 'FAILED: ' + ', '.join(failed)} in {report['seconds']:.0f} s; "
+    unchecked = [c["check"] for c in checks if c["ok"] is None]
+    note = f" ({len(unchecked)} not checkable on this machine: {', '.join(unchecked)})" if unchecked else ""
+    print(f"\n{'all passed' if not failed else 'FAILED: ' + ', '.join(failed)}{note} in {report['seconds']:.0f} s; "
           f"written to {path.resolve()}")
     return 1 if failed else 0
 

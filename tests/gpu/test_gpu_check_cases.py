@@ -15,5 +15,8 @@ CASES = dict(gpu_check.plan_checks(DEVICE, quick=True, compile_=False))
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_case(name):
-    detail = CASES[name]()       # raises with its reason when the case fails
+    try:
+        detail = CASES[name]()       # raises with its reason when the case fails
+    except gpu_check.NotCheckable as e:
+        pytest.skip(str(e))          # e.g. FairScale's reduce dtype needs two GPUs
     print(f"{name}: {detail}")

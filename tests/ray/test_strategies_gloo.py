@@ -285,3 +285,18 @@ def test_each_strategys_collectives_are_those_the_projection_counts(tmp_path):
         # two from the reverse parameter order the projection assumes (amp: one 384-element bias).
         for (_, got), (_, want) in zip(sent, projected):
             assert got == pytest.approx(want, rel=1e-3), (strategy, mode, extra, sent, projected)
+
+
+# -- the GPU check's weight-decay case, on two ranks ---------------------------------------------------
+
+
+def test_gpu_checks_decay_case_steps_sharded_flat_parameters_on_two_ranks():
+    """rayvit gpu-check runs its decay case on two gloo ranks (sharing the GPU there; CPU here), so each
+    rank's masks cover a shard: the ranks hold different parts of the same flat parameters."""
+    import re
+
+    from rayvit.gpu_check import check_fairscale_weight_decay
+
+    detail = check_fairscale_weight_decay(torch.device("cpu"))
+    decayed = [int(x.replace(",", "")) for x in re.findall(r"([\d,]+) of [\d,]+", detail)]
+    assert "over 2 ranks" in detail and len(decayed) == 2 and decayed[0] != decayed[1]

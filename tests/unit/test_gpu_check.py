@@ -61,6 +61,24 @@ def test_dtype_checks_run_on_cpu_where_their_strategies_do():
     assert check.check_reduce_dtype(cpu, "fsdp", "pure", "bf16", "fp32", steps=1).startswith("reduced in fp32")
 
 
+def test_a_check_that_cannot_fail_on_this_machine_reports_n_a_never_pass():
+    """FairScale's reduce dtype cannot show at one rank (it sends nothing and forces fp32): without two
+    GPUs that case is N/A, printed so, and not a failure of the run."""
+    from functools import partial
+
+    check = _gpu_check_module()
+    lines: list[str] = []
+    for reduce in ("fp32", "half"):
+        result = check.run_check(f"reduce fairscale_fsdp mixed-fp16 ->{reduce}", partial(
+            check.check_reduce_dtype, torch.device("cpu"), "fairscale_fsdp", "mixed", "fp16", reduce), lines.append)
+        assert result["ok"] is None and result["detail"].startswith("not checkable on one GPU")
+    assert all(line.startswith("  N/A ") for line in lines) and not any("PASS" in line for line in lines)
+    # A real failure is still a failure.
+    failed = check.run_check("reduce ddp", partial(check.check_reduce_dtype, torch.device("cpu"), "ddp", "mixed",
+                                                   "bf16", "fp32", steps=0), lines.append)
+    assert failed["ok"] is False and lines[-1].startswith("  FAIL")
+
+
 def test_bad_arguments_exit_2():
     proc = _run("--steps", "3", "--warmup", "3")
     assert proc.returncode == 2
