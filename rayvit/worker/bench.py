@@ -1,14 +1,18 @@
 """Single-process training benchmark: ``rayvit bench [--config F] [key=value ...] [--compare ...]``.
 
 Synthetic data generated once on the device, warm-up steps excluded, every step timed with device
-synchronisation. ``--compare key=v1,v2`` builds one training session per value and runs them in
-alternating rounds in this one process, so drift of a shared, noisy machine hits every variant alike;
-each variant is reported as a ratio to the first. Several ``--compare`` flags give several groups.
+synchronisation. ``--compare key=v1,v2`` times one training session per value, in alternating rounds in
+this one process, so drift of a shared, noisy machine hits every variant alike; each variant is reported
+as a ratio to the first. Only one variant exists at a time: each round builds it, warms it up, times it
+and closes it before the next is built, so each variant's peak memory is its own (a session restarts the
+peak when it starts) and no variant's model shares the device with another's. Several ``--compare``
+flags give several groups.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -31,14 +35,17 @@ EXAMPLES = """examples:
 @dataclass
 class Variant:
     label: str
-    session: Session
+    cfg: Config
     times: list[float] = field(default_factory=list)
-    model_state_bytes: int = 0          # read before the session is closed (closing releases the model)
+    # Read from each round's session before it closes (closing releases the model).
+    model_state_bytes: int = 0
+    peak_memory_bytes: int = 0          # the largest of its rounds' peaks
+    rate: dict = field(default_factory=dict)
 
     @property
     def images_per_sec(self) -> float:
         # The median step: robust to the odd step a shared machine slows down.
-        return metrics.images_per_sec(self.session.cfg.train.batch_size, 1, statistics.median(self.times))
+        return metrics.images_per_sec(self.cfg.train.batch_size, 1, statistics.median(self.times))
 
 
 def parse_compare(spec: str) -> tuple[str, list[str]]:
@@ -51,53 +58,56 @@ def parse_compare(spec: str) -> tuple[str, list[str]]:
 
 def run_group(cfg: Config, compare: tuple[str, list[str]] | None, rounds: int, steps_per_round: int,
               warmup: int) -> list[Variant]:
-    """Build every variant, warm each up, then time them in alternating rounds."""
+    """Time every variant in alternating rounds, one variant on the device at a time."""
     if compare is None:
-        variants_cfg = [("as configured", cfg)]
+        variants = [Variant("as configured", cfg)]
     else:
         key, values = compare
-        variants_cfg = [(f"{key}={v}", cfg.replace([f"{key}={v}"])) for v in values]
-    variants = []
-    for label, vcfg in variants_cfg:
-        session = Session(vcfg)
-        print(f"  built {label}: {sum(p.numel() for p in session.model.parameters()):,} params "
-              f"(local), {session.complexity.train_flops_per_image / 1e9:.2f} GFLOP/image to train",
-              file=sys.stderr)
-        variants.append(Variant(label, session))
-    try:
+        variants = [Variant(f"{key}={v}", cfg.replace([f"{key}={v}"])) for v in values]
+    for r in range(rounds):
         for v in variants:
-            for _ in range(warmup):
-                v.session.clear_grads()
-                v.session.train_step()
-        for r in range(rounds):
-            for v in variants:
-                for _ in range(steps_per_round):
-                    v.session.clear_grads()
-                    v.session.train_step()
-                    v.times.append(v.session.history[-1]["step_time_s"])
-            print(f"  round {r + 1}/{rounds}: " + ", ".join(
-                f"{v.label} {v.images_per_sec:.1f} img/s" for v in variants), file=sys.stderr)
-        for v in variants:
-            v.model_state_bytes = v.session.model_state_bytes()
-    finally:
-        for v in reversed(variants):
-            v.session.close()
+            measure_round(v, steps_per_round, warmup, announce=r == 0)
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(
+            f"{v.label} {v.images_per_sec:.1f} img/s" for v in variants), file=sys.stderr)
     return variants
+
+
+def measure_round(v: Variant, steps: int, warmup: int, announce: bool = False) -> None:
+    """One round of ``v``: a fresh session (its own memory peak), ``warmup`` untimed steps, ``steps`` timed
+    ones; the session is closed, and its memory released, before the next variant is built."""
+    session = Session(v.cfg)
+    try:
+        if announce:
+            print(f"  {v.label}: {sum(p.numel() for p in session.model.parameters()):,} params (local), "
+                  f"{session.complexity.train_flops_per_image / 1e9:.2f} GFLOP/image to train", file=sys.stderr)
+        for _ in range(warmup):
+            session.clear_grads()
+            session.train_step()
+        for _ in range(steps):
+            session.clear_grads()
+            session.train_step()
+            v.times.append(session.history[-1]["step_time_s"])
+        v.model_state_bytes = session.model_state_bytes()
+        v.peak_memory_bytes = max(v.peak_memory_bytes, hardware.peak_memory_bytes(session.device))
+        v.rate = session.rate_figures(v.images_per_sec)
+    finally:
+        session.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def report(variants: list[Variant]) -> list[dict]:
     base = variants[0].images_per_sec
     rows = []
     for v in variants:
-        s = v.session
-        ips = v.images_per_sec
-        rate = s.rate_figures(ips)
+        ips, rate = v.images_per_sec, v.rate
         rows.append({
             "variant": v.label, "images_per_sec": ips, "ratio": ips / base,
             **metrics.step_time_percentiles(v.times),
             "tflops": rate["tflops_per_chip"], "mfu": rate["mfu"], "peak_source": rate["peak_source"],
             "model_state_mb": v.model_state_bytes / 2 ** 20,
-            "peak_memory_mb": hardware.peak_memory_bytes(s.device) / 2 ** 20,
+            "peak_memory_mb": v.peak_memory_bytes / 2 ** 20,
         })
     return rows
 

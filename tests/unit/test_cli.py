@@ -56,3 +56,17 @@ def test_bench_times_variants_side_by_side_as_ratios(capsys):
     assert set(rows) == {"optim.impl=loop", "optim.impl=foreach"}
     assert rows["optim.impl=loop"][2] == "1.000" and float(rows["optim.impl=foreach"][2]) > 0
     assert float(rows["optim.impl=loop"][-2]) > 0          # model state MB, read before the sessions closed
+
+
+def test_bench_measures_each_variants_own_peak_memory(tmp_path):
+    """One variant on the device at a time, its peak restarted when its session starts: a small batch
+    timed after a large one reports a smaller peak (one process-wide peak would give both the same)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--steps", "1", "--rounds", "1", "--warmup", "0", "--json", str(out),
+                 "--compare", "train.batch_size=512,8"]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["groups"][0]["rows"]}
+    large, small = rows["train.batch_size=512"], rows["train.batch_size=8"]
+    assert small["peak_memory_mb"] < large["peak_memory_mb"] - 20
+    assert small["model_state_mb"] == large["model_state_mb"] > 0
