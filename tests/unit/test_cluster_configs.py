@@ -29,6 +29,7 @@ LAUNCHER = CLUSTER / "aws-p4d.yaml"
 RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
 RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
 RUNTIME_ENV = CLUSTER / "runtime_env.yaml"
+CONSTRAINTS = CLUSTER / "constraints.txt"
 README = CLUSTER / "README.md"
 STUDY = "experiments/configs/study_a100.yaml"
 
@@ -125,7 +126,9 @@ def test_launcher_gives_gpu_workers_the_efa_and_nccl_environment():
 def test_launcher_installs_the_project_and_syncs_the_checkout():
     config = _yaml(LAUNCHER)
     (remote,) = [remote for remote, local in config["file_mounts"].items() if local == "."]
-    assert any(cmd.strip() == f"pip install -e {remote}" for cmd in config["setup_commands"])
+    # setup_commands run on every node the autoscaler adds too: all of them install the pinned versions.
+    assert any(cmd.strip() == f"pip install -c {remote}/cluster/constraints.txt -e {remote}"
+               for cmd in config["setup_commands"])
     for heavy in (".venv", ".git", "mlflow.db"):
         assert heavy in config["rsync_exclude"]
 
@@ -202,9 +205,14 @@ def test_rayjob_runtime_env_matches_cluster_runtime_env():
     job_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
     RuntimeEnv(**job_env)  # Ray's own type checks (pip list, env_vars as str -> str)
     file_env = _yaml(RUNTIME_ENV)
-    assert job_env["pip"] == file_env["pip"]
     assert job_env["env_vars"] == file_env["env_vars"]
     assert job_env["working_dir"].endswith(".zip")  # a remote archive: kubectl cannot upload a dir
+    # The pins come from cluster/constraints.txt at the very commit the archive holds.
+    archive = re.fullmatch(r"https://github\.com/(?P<org>[^/]+)/rayvit/archive/(?P<commit>[^/]+)\.zip",
+                           job_env["working_dir"])
+    assert archive, job_env["working_dir"]
+    assert job_env["pip"] == [f"-r https://raw.githubusercontent.com/{archive['org']}/rayvit/"
+                              f"{archive['commit']}/cluster/constraints.txt"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,10 +229,35 @@ def test_runtime_env_is_accepted_by_ray_job_submit_parsing():
     assert env["env_vars"]["MLFLOW_TRACKING_URI"] == MLFLOW_URI
 
 
-def test_runtime_env_pip_list_equals_the_package_dependencies():
+def _pins() -> dict[str, str]:
+    lines = [line.strip() for line in CONSTRAINTS.read_text().splitlines()]
+    pins = [line for line in lines if line and not line.startswith("#")]
+    # One name==version per line, no extras or ranges: valid both as pip constraints (-c) and requirements.
+    assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.+-]*", pin) for pin in pins), pins
+    return {pin.split("==")[0].lower(): pin.split("==")[1] for pin in pins}
+
+
+def test_constraints_pin_every_dependency_within_its_range():
+    from packaging.requirements import Requirement
+
     with open(ROOT / "pyproject.toml", "rb") as f:
-        dependencies = tomllib.load(f)["project"]["dependencies"]
-    assert _yaml(RUNTIME_ENV)["pip"] == dependencies
+        dependencies = [Requirement(d) for d in tomllib.load(f)["project"]["dependencies"]]
+    pins = _pins()
+    assert set(pins) == {d.name.lower() for d in dependencies}
+    for d in dependencies:
+        assert d.specifier.contains(pins[d.name.lower()]), (d, pins[d.name.lower()])
+    # Ray is the cluster images' own (tests above tie the image tags to the installed Ray), and the
+    # MLflow sidecar of the KubeRay head serves with the version the driver logs with.
+    assert pins["ray"] == ray.__version__
+    (sidecar,) = [c for c in _containers(_raycluster()["spec"]["headGroupSpec"]["template"]) if c["name"] == "mlflow"]
+    assert f'"mlflow=={pins["mlflow"]}"' in " ".join(sidecar["args"])
+
+
+def test_runtime_env_installs_the_constraints_file():
+    # `ray job submit` reads the file on the submitting machine (from the repository root).
+    env = RuntimeEnv(**parse_runtime_env_args(runtime_env=str(RUNTIME_ENV), working_dir="."))
+    packages = [p for p in env.to_dict()["pip"]["packages"] if p.strip() and not p.startswith("#")]
+    assert {p.split("==")[0].lower(): p.split("==")[1] for p in packages} == _pins()
 
 
 # --------------------------------------------------------------------------------------------------
