@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-CONFIGS = Path(__file__).resolve().parent.parent / "experiments" / "configs"
+# The configs shipped with the package (the same files as experiments/configs in a checkout).
+CONFIGS = Path(__file__).resolve().parent / "configs"
 TRACKING_HELP = ("tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else "
                  "sqlite:///~/.rayvit/mlflow.db ($RAYVIT_HOME moves it)")
 
@@ -95,10 +96,24 @@ PROJECT_EXAMPLES = """examples:
   %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)"""
 
 
+def config_path(value: str) -> str:
+    """``--config``: a YAML file, else the name of one shipped with rayvit (``ladder_cpu.yaml`` or
+    ``ladder_cpu``), so that an installed rayvit runs its configs from any directory."""
+    if Path(value).is_file():
+        return value
+    for name in (value, f"{value}.yaml"):
+        if Path(name).name == name and (CONFIGS / name).is_file():
+            return str(CONFIGS / name)
+    shipped = ", ".join(sorted(p.name for p in CONFIGS.glob("*.yaml")))
+    raise argparse.ArgumentTypeError(f"no config file {value!r} (relative to {Path.cwd()}), and rayvit ships "
+                                     f"no config of that name (it ships: {shipped})")
+
+
 def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",
                     example: str = "train.steps=10") -> None:
-    parser.add_argument("--config", default=str(default_config),
-                        help=f"{what} (default: experiments/configs/{default_config.name})")
+    parser.add_argument("--config", default=str(default_config), type=config_path,
+                        help=f"{what}: a file, or the name of one rayvit ships (default: "
+                             f"{default_config.name}, as in experiments/configs)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help=f"override a config value, e.g. --set {example} (repeatable)")
 
