@@ -1,6 +1,6 @@
 """Projected against measured per-chip throughput for the default CPU sweep's 2-worker points.
 
-    flock /tmp/rayvit-cpu.lock python benchmarks/projection_vs_measured.py [--set section.key=value ...]
+    python benchmarks/projection_vs_measured.py [--set section.key=value ...]
 
 Runs the default sweep (experiments/configs/cpu_default.yaml: ddp, fsdp, fairscale_oss at 1 and 2
 workers, gloo) through ``rayvit.studies.sweep.run_sweep`` into a throw-away MLflow store: the 1-worker points

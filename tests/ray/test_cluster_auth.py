@@ -3,9 +3,9 @@
 Ray 2.60 turns token authentication on by default only for local instances (``ray.init()``); a
 ``ray start`` head runs without it unless ``RAY_AUTH_MODE=token`` is set, or a token file exists in
 ``~/.ray`` (``ray start`` then enables it). So the head here gets an empty ``HOME``: no token exists
-anywhere, as on a fresh cluster. rayvit's drivers must attach in the cluster's mode; it used to force
-token mode on every driver, and a job then failed with "Token authentication is enabled but no
-authentication token was found". The token-authentication side is in test_scaling_job.py.
+anywhere, as on a fresh cluster. rayvit's drivers must attach in the cluster's mode: a driver that forced
+token mode here would fail with "Token authentication is enabled but no authentication token was
+found". The token-authentication side is in test_scaling_job.py.
 """
 
 from __future__ import annotations

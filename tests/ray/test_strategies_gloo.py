@@ -86,7 +86,7 @@ def _step_times_after_a_slow_report(rank: int, align: bool) -> list[float]:
     from rayvit.worker import loop
 
     if not align:
-        loop.Session.align_ranks = lambda self: None          # the code before the barrier
+        loop.Session.align_ranks = lambda self: None          # no barrier after the report
     cfg = load_config(overrides=TINY + ["train.steps=4", "train.warmup_steps=0", "train.report_every=2"])
 
     def report(metrics, session):
@@ -112,7 +112,7 @@ def test_the_step_after_a_report_does_not_absorb_another_ranks_wait(tmp_path, al
 def _clipped_runs(rank: int) -> dict:
     """Per run: the norms each clip saw and the final weights, after 3 clipped steps.
 
-    Runs: ddp, fairscale_oss, and fairscale_oss with torch's plain clip (the code before OSS's own).
+    Runs: ddp, fairscale_oss, and fairscale_oss clipped with torch's plain clip_grad_norm_ instead of OSS's own.
     """
     from rayvit.worker import Session
     from rayvit.worker.strategies.base import Strategy
