@@ -73,8 +73,9 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
         f"parent run {parent}")
     out(f"tracking: {run.uri}" + ("  (resuming: finished points are reused)" if run.resumed else ""))
     out(f"resume with: --name {name}")
-    if run.abandoned:
-        out(f"{', '.join(run.abandoned)}: left running by a driver that stopped; measuring again")
+    abandoned = [p.key for p in points if p.key in run.abandoned]
+    if abandoned:
+        out(f"{', '.join(abandoned)}: left running by a driver that stopped; measuring again")
     growth = capacity.summary(verdicts)
     if growth:
         out(growth)

@@ -51,8 +51,13 @@ class Session:
         self.cfg = cfg
         self.device = device or default_device(cfg)
         if self.device.type == "cpu":
-            # A worker uses exactly the CPUs it was given; more threads than cores only thrash.
+            # A worker uses exactly the CPUs it was given; more threads than cores only thrash. (Ray sets
+            # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's.)
             torch.set_num_threads(cfg.parallel.cpus_per_worker)
+            try:
+                torch.set_num_interop_threads(cfg.parallel.cpus_per_worker)
+            except RuntimeError:
+                pass    # settable once per process, before any inter-op work: an earlier session did
         # Each session measures its own peak, also when several run one after another in this process.
         hardware.reset_peak_memory(self.device)
         self.owns_process_group = ensure_process_group(self.device)
