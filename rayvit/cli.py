@@ -10,7 +10,8 @@
 ``experiments/scaling.py`` and ``experiments/search.py`` are the same commands as files, for
 ``ray job submit -- python experiments/scaling.py``. Exit status: 0 done, 1 a point or trial failed,
 2 nothing could start (bad config, unreachable store or cluster, missing cluster token, cluster too
-small, checkpoints without shared storage on a multi-node cluster), 130 interrupted.
+small, checkpoints without shared storage on a multi-node cluster), 130 interrupted (a search: 143 on
+SIGTERM).
 """
 
 from __future__ import annotations
@@ -62,8 +63,14 @@ the constraint line and the best setting marked, the best config) and a child ru
 figures, a `feasible` tag and the reason). Rerunning a search of the same name reuses its baseline and
 resumes its unfinished trials. Exit status: 0 when the search finished, 1 if a trial failed with an
 error (diverged or infeasible trials are results, not errors), 2 if nothing could start (bad config or
-search space, unreachable tracking store, cluster too small, baseline without an accuracy), 130 when
-interrupted."""
+search space, unreachable tracking store, cluster too small, baseline without an accuracy), 130 on
+SIGINT and 143 on SIGTERM (the trials are stopped and no best config is written).
+
+Before any trial (grid searches, search.screen=true by default) every setting's training step is timed
+for a few steps in one process on one device of the kind the trials get; trials then run best
+screened first, settings that cannot beat the baseline or the best feasible trial by more than the
+screen's noise are not trained, and a trial beats the baseline only when its objective's 95% interval
+lies above the baseline's."""
 
 SEARCH_EXAMPLES = f"""examples:
   %(prog)s                                   # CPU default search
@@ -71,6 +78,8 @@ SEARCH_EXAMPLES = f"""examples:
   %(prog)s --set 'search.space={{precision.mode: [amp, pure]}}' --name quick
   %(prog)s --set search.algorithm=optuna --set search.num_samples=12
   %(prog)s --set search.asha=true            # stop trials that fall behind early
+  %(prog)s --set search.screen=false         # train every setting, in grid order
+  %(prog)s --dry-run --config experiments/configs/search_a100.yaml   # trials, screen, projected cost
   rayvit sweep --config best.yaml            # then scale the winner
 
 searchable keys: precision.mode, precision.dtype, model.image_size, optim.name, optim.impl,
@@ -177,6 +186,9 @@ def search_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--output", help="where to write the best feasible setting as a config file "
                                          "(default: ~/.rayvit/searches/<name>/best_config.yaml)")
     parser.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment, else rayvit-search)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the trials, the screening plan, each trial's projected throughput and the "
+                             "estimated device-hours, then exit (no Ray, no MLflow, no cluster needed)")
     return parser
 
 
@@ -190,7 +202,7 @@ def _guarded(run: Callable[[], int], interrupted: str) -> int:
     from rayvit.launch.connect import ConnectError
     from rayvit.launch.capacity import ClusterTooSmall
     from rayvit.record.tracking import TrackingError
-    from rayvit.studies.search import BaselineFailed
+    from rayvit.studies.judge import BaselineFailed
 
     from rayvit.launch.console import quiet_loggers
 
@@ -253,11 +265,21 @@ def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
         from rayvit.studies.plan import plan_search
 
         study = load_study(args.config, list(args.overrides) + ([f"search.name={args.name}"] if args.name else []))
-        plan_search(study)     # bad input fails here, before Ray or MLflow start
-        from rayvit.studies.search import print_summary, run_search
+        plan = plan_search(study)     # bad input fails here, before Ray or MLflow start
+        if args.dry_run:
+            from rayvit.studies.dryrun import describe_search
 
-        report = run_search(study, experiment=args.experiment, output=args.output, address=args.address,
-                            ray_log="verbose" if args.verbose else "quiet")
+            print(f"config: {args.config}")
+            print(describe_search(study, plan))
+            return 0
+        from rayvit.studies.search import SearchInterrupted, print_summary, run_search
+
+        try:
+            report = run_search(study, experiment=args.experiment, output=args.output, address=args.address,
+                                ray_log="verbose" if args.verbose else "quiet")
+        except SearchInterrupted as e:
+            eprint(str(e))
+            return e.exit_code
         print_summary(report)
         return report.exit_code
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
@@ -13,12 +14,34 @@ from rayvit.worker import DivergedError
 _EPS = 1e-9
 
 
+class BaselineFailed(RuntimeError):
+    """The baseline did not produce a validation accuracy, so the constraint cannot be applied."""
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the search: its trials were stopped and no best config was written."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.message, self.signum = message, signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.signum)
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclass(frozen=True)
 class Verdict:
     feasible: bool
     reason: str
     objective: Optional[float]
     accuracy_drop: Optional[float]
+    # Against the baseline, noise-aware (:func:`versus_baseline`): True when the objective's interval lies
+    # beyond the baseline's, False when within noise or worse, None when not compared (infeasible).
+    beats_baseline: Optional[bool] = None
 
 
 def time_to_accuracy(result: RunResult, target: float) -> Optional[float]:
@@ -47,12 +70,15 @@ def judge(status: str, result: Optional[RunResult], baseline_accuracy: float, s:
     """Feasible or not, and why; the objective figure where there is one.
 
     ``status``: ``done`` (trained the whole budget), ``diverged`` (NaN/inf loss), ``stopped`` (stopped
-    early by ASHA), ``failed`` (any other error). Only a finished trial can be feasible: its validation
+    early by ASHA), ``interrupted`` (the search was stopped by SIGINT/SIGTERM), ``failed`` (any other error). Only a finished trial can be feasible: its validation
     accuracy may be at most ``search.max_accuracy_drop`` below the baseline's.
     """
     last = last or {}
     if status == "diverged":
         return Verdict(False, "diverged: " + last_line(error or "NaN or inf loss"), None, None)
+    if status == "interrupted":
+        return Verdict(False, "interrupted: the search was stopped before this trial finished "
+                              "(a resumed search trains it again)", None, None)
     if status == "stopped":
         where = f" at step {int(last['step'])} (loss {last['loss']:.4g})" if "step" in last and "loss" in last else ""
         return Verdict(False, f"stopped early by ASHA{where}", None, None)
@@ -73,6 +99,40 @@ def judge(status: str, result: Optional[RunResult], baseline_accuracy: float, s:
                                   "within the budget", None, drop)
         return Verdict(False, f"no {s.objective} figure", None, drop)
     return Verdict(True, "within the accuracy budget", objective, drop)
+
+
+def versus_baseline(result: Optional[RunResult], baseline: Optional[RunResult], objective: str,
+                    mode: str) -> tuple[bool, str]:
+    """Whether ``result`` beats ``baseline`` on ``objective`` beyond noise, and how that reads.
+
+    A throughput objective carries a 95% interval (``<key>_lo``/``<key>_hi``, :meth:`RunResult.of_rounds`):
+    the trial beats the baseline only when its whole interval lies beyond the baseline's (for ``max``:
+    trial low end above the baseline's high end). Without intervals (``time_to_accuracy``, results
+    recorded before intervals existed) the figures themselves are compared.
+    """
+    if result is None or baseline is None:
+        return False, "no figures to compare with the baseline"
+    value, base = result.metrics.get(objective), baseline.metrics.get(objective)
+    if objective == "time_to_accuracy" or not _finite(value) or not _finite(base):
+        return False, "no figures to compare with the baseline"
+    lo, hi = result.metrics.get(f"{objective}_lo"), result.metrics.get(f"{objective}_hi")
+    blo, bhi = baseline.metrics.get(f"{objective}_lo"), baseline.metrics.get(f"{objective}_hi")
+    gain = speedup(value, base, mode)
+    if not all(_finite(x) for x in (lo, hi, blo, bhi)):
+        beats = value > base if mode == "max" else value < base
+        return beats, f"{gain:.2f}x the baseline (no intervals: figures compared as they are)"
+    beats = lo > bhi if mode == "max" else hi < blo
+    where = (f"{value:.4g} ({lo:.4g}-{hi:.4g}) against the baseline's {base:.4g} ({blo:.4g}-{bhi:.4g}), "
+             "95% intervals")
+    if beats:
+        return True, f"{gain:.2f}x the baseline, beyond noise: {where}"
+    worse = hi < blo if mode == "max" else lo > bhi
+    return False, (f"{gain:.2f}x, below the baseline: {where}" if worse
+                   else f"{gain:.2f}x, within noise of the baseline: {where}")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def accuracy_excess(result: Optional[RunResult], baseline_accuracy: float, max_drop: float) -> float:
@@ -113,10 +173,15 @@ def speedup(objective: Optional[float], baseline: Optional[float], mode: str) ->
     return objective / baseline if mode == "max" else baseline / objective
 
 
-def best_outcome(outcomes: Iterable[Any], mode: str) -> Optional[Any]:
-    """The feasible outcome (anything with a ``verdict``) with the best objective; ties: the earlier one."""
+def best_outcome(outcomes: Iterable[Any], mode: str, *, beyond_noise: bool = False) -> Optional[Any]:
+    """The feasible outcome (anything with a ``verdict``) with the best objective; ties: the earlier one.
+
+    ``beyond_noise``: only outcomes whose verdict says they beat the baseline beyond noise (and the
+    baseline itself, whose ``beats_baseline`` is None) are candidates.
+    """
     feasible = [o for o in outcomes if o.verdict is not None and o.verdict.feasible
-                and o.verdict.objective is not None]
+                and o.verdict.objective is not None
+                and (not beyond_noise or o.verdict.beats_baseline is not False)]
     if not feasible:
         return None
     pick = max if mode == "max" else min

@@ -7,7 +7,10 @@ groups is what keeps later trials from starving.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
+import re
 import subprocess
 import sys
 
@@ -20,7 +23,7 @@ from rayvit.studies.judge import (Verdict, accuracy_excess, best_outcome, judge,
 from rayvit.studies.plan import Point, plan_search
 from rayvit.studies.runner import Outcome
 
-from shared import REPO, QUICK, SEARCH_CPU
+from shared import CONFIGS, REPO, QUICK, SEARCH_CPU
 
 
 
@@ -64,12 +67,12 @@ def test_cli_bad_input_exits_2_without_starting_ray(tmp_path):
     assert not (tmp_path / "m.db").exists()      # nothing was recorded: it stopped before MLflow
 
 
-def test_default_search_spans_6_to_8_bf16_trials():
+def test_default_search_spans_the_studys_accuracy_risks_and_the_optimizer():
     plan = plan_search(load_study(SEARCH_CPU))
-    assert 6 <= plan.num_trials <= 8
+    assert 12 <= plan.num_trials <= 24
     # Both of the study's accuracy risks are in the space: full half precision and a bigger image.
     assert "pure" in plan.space["precision.mode"] and max(plan.space["model.image_size"]) > plan.base.model.image_size
-    assert plan.base.precision.dtype == "bf16" and {s["precision.mode"] for s in plan.settings} <= {"amp", "mixed", "pure"}
+    assert plan.base.precision.dtype == "bf16"
     assert plan.baseline.cfg.precision.mode == "fp32" and plan.baseline.cfg.optim.impl == "loop"
     assert plan.baseline.cfg.model.image_size == plan.base.model.image_size
 
@@ -129,7 +132,7 @@ def test_time_to_accuracy_and_best_feasible():
 def test_optuna_sampler_gets_the_accuracy_constraint_not_a_folded_objective():
     from ray import tune
 
-    from rayvit.studies.search import EXCESS_KEY, optuna_searcher
+    from rayvit.studies.trials import EXCESS_KEY, optuna_searcher
 
     cfg = search_cfg(**{"search.algorithm": "optuna"})
     searcher = optuna_searcher(cfg.search, cfg.run.train.seed, "max")
@@ -141,3 +144,203 @@ def test_optuna_sampler_gets_the_accuracy_constraint_not_a_folded_objective():
     first, second = searcher._ot_study.trials
     assert first.values == [0.02] and first.constraints == {EXCESS_KEY: 0.03}     # objective untouched
     assert second.constraints == {EXCESS_KEY: -0.01}
+
+
+# -- the screen: order, prune, stop (synthetic step times, the real decision code) ------------------
+
+def screened(label, setting, step_s, rounds=2, steps=6, jitter=0.02, study=None):
+    """A setting's screen with chosen step times: ``steps`` per round, alternating +-jitter around ``step_s``."""
+    from rayvit.studies.screen import Screened
+
+    study = study or load_study(SEARCH_CPU)
+    cfg = study.run.replace(setting)
+    times = [[step_s * (1 + (jitter if i % 2 else -jitter)) for i in range(steps)] for _ in range(rounds)]
+    return Screened(label, dict(setting), cfg, step_times=times)
+
+
+def test_screen_orders_by_screened_objective_and_prunes_what_cannot_beat_the_baseline():
+    from rayvit.studies.screen import screen
+
+    base = screened("baseline", {"precision.mode": "fp32", "optim.impl": "loop"}, 0.070)
+    cands = [screened("t01", {"precision.mode": "fp32", "optim.impl": "fused"}, 0.058),       # 1.21x
+             screened("t02", {"precision.mode": "fp32", "optim.impl": "foreach"}, 0.069),     # 1.01x: noise
+             screened("t03", {"precision.mode": "amp", "optim.impl": "fused"}, 1.40),         # 0.05x: emulated bf16
+             screened("t04", {"precision.mode": "fp32", "model.image_size": 40}, 0.080),      # more FLOPs/image
+             screened("t05", {"precision.mode": "pure", "optim.impl": "loop"}, 1.2, rounds=1, steps=1)]
+    report = screen(base, cands, "tflops_per_chip", device="cpu", native_bf16=False)
+    by = {c.label: c for c in report.candidates}
+    # 40 px: 1.56x the FLOPs per image in 1.14x the time -> 1.37x TFLOPS; fused 1.21x; foreach 1.01x, which
+    # the screen cannot tell from the baseline (never surer than +-5%): trained too, best screened first.
+    assert [c.label for c in report.order] == ["t04", "t01", "t02"]
+    assert by["t04"].ratio.median == pytest.approx(1.366, rel=0.02) and by["t04"].ratio.lo > 1
+    assert by["t02"].ratio.lo < 1 < by["t02"].ratio.hi
+    # 20x slower on a CPU without bf16 instructions: one step decides it, and the reason says why.
+    assert by["t03"].decision == "screened out"
+    assert by["t03"].reason.startswith("0.05x the baseline on this cpu: no native bf16")
+    assert by["t05"].decision == "screened out" and by["t05"].ratio.median < 0.1
+    # The same bf16 settings on a CPU with native bf16 and faster steps are trained.
+    fast = screen(base, [screened("t03", {"precision.mode": "amp", "optim.impl": "fused"}, 0.045)],
+                  "tflops_per_chip", device="cpu", native_bf16=True)
+    assert fast.order[0].label == "t03" and fast.order[0].note == ""
+
+
+def test_screen_interval_is_never_narrower_than_its_noise_floor_and_failed_screens_are_trained():
+    from rayvit.studies.screen import NOISE_FLOOR, screen
+
+    base = screened("baseline", {"precision.mode": "fp32"}, 0.070, jitter=0.0)
+    same = screened("t01", {"optim.impl": "fused"}, 0.0665, jitter=0.0)        # 1.05x, no jitter at all
+    broken = screened("t02", {"optim.impl": "foreach"}, 0.05)
+    broken.step_times, broken.error = [], "RuntimeError: CUDA out of memory"
+    slower = screened("t03", {"optim.impl": "loop", "precision.mode": "amp"}, 0.0770, jitter=0.0)   # 0.91x
+    report = screen(base, [same, broken, slower], "tflops_per_chip")
+    assert same.ratio.lo <= same.ratio.median * (1 - NOISE_FLOOR) + 1e-12
+    assert same.trained                                      # 1.05x (1.00-1.10): may still beat the baseline
+    assert slower.decision == "screened out" and slower.ratio.hi < 1.0 and slower.reason == "0.91x the baseline on this cpu"
+    assert broken.trained and "CUDA out of memory" in broken.reason and report.order[-1] is broken
+
+
+def test_screened_order_trains_best_first_and_stops_once_a_feasible_trial_beats_every_remaining_screen():
+    from ray.tune.search import Searcher
+
+    from rayvit.studies.trials import FEASIBLE_KEY, LIVE, TRIAL_KEY, Entry, ScreenedOrder
+
+    lines = []
+    LIVE["order-test"] = {"out": lines.append, "skipped": {}, "plan": plan_search(load_study(SEARCH_CPU))}
+    try:
+        entries = [Entry("t04", {"model.image_size": 40}, 1.37, 1.45, "1.37x (1.25-1.45)"),
+                   Entry("t01", {"optim.impl": "fused"}, 1.21, 1.30, "1.21x (1.10-1.30)"),
+                   Entry("t07", {"precision.mode": "pure"}, 1.10, 1.20, "1.10x (0.98-1.20)"),
+                   Entry("t06", {"optim.impl": "foreach"}, 1.08, 1.14, "1.08x (1.02-1.14)"),
+                   Entry("t09", {"precision.mode": "amp"}, None)]        # not screened: always trained
+        order = ScreenedOrder("order-test", entries, baseline_objective=0.040, mode="max", prune=True)
+        assert order.suggest("a") == {"model.image_size": 40, TRIAL_KEY: "t04"}
+        # t04 is infeasible (accuracy): it moves nothing; the next best screened setting runs.
+        order.on_trial_complete("a", {FEASIBLE_KEY: float("nan")})
+        assert order.suggest("b")[TRIAL_KEY] == "t01"
+        # t01 feasible, measured 1.15x the baseline: it exceeds t07's screened 1.10x (the stop rule) and the
+        # top of t06's screened interval (1.14x): neither is trained.
+        order.on_trial_complete("b", {FEASIBLE_KEY: 0.046})
+        assert order.suggest("c")[TRIAL_KEY] == "t09"
+        assert order.suggest("d") == Searcher.FINISHED
+        skipped = LIVE["order-test"]["skipped"]
+        assert list(skipped) == ["t07", "t06"]
+        assert "t01's measured 1.15x already exceeds it" in skipped["t07"]
+        assert "cannot beat t01's measured 1.15x even at the top of the screen's interval" in skipped["t06"]
+        assert any(line.startswith("[t06/") and "not trained" in line for line in lines)
+        # A resumed search counts its finished trials from the start; with pruning off nothing is left out.
+        resumed = ScreenedOrder("order-test", entries[1:], 0.040, "max", prune=True, finished={"t04": 1.15})
+        assert resumed.suggest("x")[TRIAL_KEY] == "t01" and resumed.suggest("y")[TRIAL_KEY] == "t09"
+        unpruned = ScreenedOrder("order-test", entries, 0.040, "max", prune=False, finished={"t04": 9.0})
+        assert [unpruned.suggest(i)[TRIAL_KEY] for i in "vwxyz"] == ["t04", "t01", "t07", "t06", "t09"]
+    finally:
+        LIVE.pop("order-test", None)
+
+
+# -- the noise-aware verdict (real intervals from RunResult.of_rounds over chosen step times) -------
+
+def timed_result(step_s, jitter, accuracy=0.9, steps=40):
+    rng = random.Random(1)          # the same noise for every call: results differ by step_s alone
+    times = [step_s * (1 + rng.uniform(-jitter, jitter)) for _ in range(steps)]
+    metrics = {"tflops_per_chip": 1e9 * 32 / step_s / 1e12, "images_per_sec_per_chip": 32 / step_s,
+               "images_per_sec": 64 / step_s, "step_time_s": step_s, "train_flops_per_image": 1e9,
+               "val_accuracy": accuracy, "final_loss": 0.5}
+    conditions = {"batch_per_chip": 32, "world_size": 2, "model": "custom"}
+    return RunResult.of_rounds([RunResult(metrics, conditions, step_times=times)])
+
+
+def test_a_trial_beats_the_baseline_only_when_its_interval_lies_above_the_baselines():
+    from rayvit.studies.judge import versus_baseline
+
+    base = timed_result(0.070, jitter=0.25)
+    assert base.metrics["tflops_per_chip_lo"] < base.metrics["tflops_per_chip"] < base.metrics["tflops_per_chip_hi"]
+    beats, text = versus_baseline(timed_result(0.050, jitter=0.25), base, "tflops_per_chip", "max")
+    assert beats and text.startswith("1.40x the baseline, beyond noise")
+    beats, text = versus_baseline(timed_result(0.068, jitter=0.25), base, "tflops_per_chip", "max")
+    assert not beats and "within noise of the baseline" in text          # 1.03x, intervals overlap
+    beats, text = versus_baseline(timed_result(0.068, jitter=0.0), timed_result(0.070, jitter=0.0),
+                                  "tflops_per_chip", "max")
+    assert beats                                                          # the same 1.03x, no noise at all
+    beats, text = versus_baseline(timed_result(0.10, jitter=0.25), base, "tflops_per_chip", "max")
+    assert not beats and "below the baseline" in text
+
+
+def test_best_outcome_beyond_noise_keeps_the_baseline_when_the_fastest_trial_is_within_noise():
+    cfg = load_study(SEARCH_CPU).run
+
+    def outcome(label, objective, beats):
+        return Outcome(Point(0, label, label, 2, cfg), "done", verdict=Verdict(True, "", objective, 0.0, beats))
+    base = outcome("baseline", 1.0, None)
+    assert best_outcome([base, outcome("t01", 1.04, False)], "max", beyond_noise=True) is base
+    assert best_outcome([base, outcome("t01", 1.04, False)], "max").point.key == "t01"
+    picked = best_outcome([base, outcome("t01", 1.30, False), outcome("t02", 1.2, True)], "max", beyond_noise=True)
+    assert picked.point.key == "t02"
+
+
+# -- statuses and reasons ---------------------------------------------------------------------------
+
+def test_a_trial_without_its_final_report_is_interrupted_or_asha_stopped_never_guessed():
+    from rayvit.studies.trials import trial_outcome, trial_status
+
+    assert trial_status({}, None, interrupted=True, asha=False) == "interrupted"
+    assert trial_status({}, None, interrupted=True, asha=True) == "interrupted"
+    assert trial_status({"step": 20, "loss": 1.0}, None, interrupted=False, asha=True) == "stopped"
+    assert trial_status({}, None, interrupted=False, asha=False) == "failed"      # ASHA off: never "by ASHA"
+    assert trial_status({"rayvit_status": "done"}, None, interrupted=True, asha=False) == "done"
+    plan = plan_search(load_study(SEARCH_CPU))
+    setting = plan.settings[0]
+    o = trial_outcome(plan, "t01", setting, {}, None, 0.9, interrupted=True)
+    assert o.status == "interrupted" and o.verdict.reason.startswith("interrupted: the search was stopped")
+    o = trial_outcome(plan, "t01", setting, {}, None, 0.9)
+    assert o.status == "failed" and "ended without its final report" in o.verdict.reason
+    assert "ASHA" not in o.verdict.reason
+
+
+def test_sigterm_during_the_trials_stops_them_and_exits_143_sigint_130():
+    import signal as signals
+
+    from rayvit.studies.judge import SearchInterrupted
+    from rayvit.studies.search import _Signals
+
+    live = {"interrupted": None, "out": lambda line: None}
+    with _Signals(live) as caught:
+        caught.tune = True
+        os.kill(os.getpid(), signals.SIGTERM)        # while Tune runs: a flag for the stopper, no exception
+        assert live["interrupted"] == "SIGTERM" and caught.signum == signals.SIGTERM
+        assert os.environ["TUNE_DISABLE_SIGINT_HANDLER"] == "1"     # Tune's own handler stays off
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signals.SIGINT)     # a second signal: at once
+    assert signals.getsignal(signals.SIGTERM) is signals.SIG_DFL
+    assert SearchInterrupted("x", signals.SIGTERM).exit_code == 143
+    assert SearchInterrupted("x", signals.SIGINT).exit_code == 130
+
+
+# -- the default space and the cluster search's dry run ---------------------------------------------
+
+def test_default_space_searches_the_optimizer_beside_precision_and_image_size():
+    plan = plan_search(load_study(SEARCH_CPU))
+    assert plan.space["optim.impl"] == ["loop", "foreach", "fused"]
+    assert plan.baseline.cfg.optim.impl == "loop" and plan.baseline.cfg.precision.mode == "fp32"
+    assert plan.study.search.screen
+    # The baseline's own setting is not a trial of its own.
+    assert all(plan.trial(0, "", s).config_hash != plan.baseline.config_hash for s in plan.settings)
+    assert len(plan.settings) == len(list(itertools.product(*plan.space.values()))) - 1
+
+
+def test_cluster_search_dry_run_prints_trials_screen_throughput_and_gpu_hours(capsys, tmp_path, monkeypatch):
+    from rayvit.cli import search
+
+    monkeypatch.setenv("RAYVIT_HOME", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    assert search(["--dry-run", "--config", str(CONFIGS / "search_a100.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert "24 setting(s) by grid + ASHA" in printed and "vit_b16" in printed and "on 8 GPU(s)" in printed
+    rows = [line.split() for line in printed.splitlines() if line.strip().startswith(("baseline ", "t01 ", "t24 "))]
+    assert [r[0] for r in rows] == ["baseline", "t01", "t24"]
+    assert all(float(r[-5]) > 50 for r in rows)          # projected TFLOPS per A100 (column TFLOPS/GPU)
+    assert "screen: the baseline and 24 setting(s)" in printed and "one GPU (A100)" in printed
+    hours = re.search(r"estimated GPU-hours, every setting trained to its budget: ([\d.]+)", printed)
+    assert hours and 1 < float(hours.group(1)) < 100
+    assert "with ASHA" in printed and "nothing ran" in printed
+    assert not (tmp_path / "m.db").exists()
+    import ray
+    assert not ray.is_initialized()
