@@ -107,15 +107,14 @@ PROJECT_EXAMPLES = """examples:
 
 def config_path(value: str) -> str:
     """``--config``: a YAML file, else the name of one shipped with rayvit (``ladder_cpu.yaml`` or
-    ``ladder_cpu``), so that an installed rayvit runs its configs from any directory."""
+    ``ladder_cpu``), so that an installed rayvit runs its configs from any directory. Anything else is
+    left as given: loading it reports the missing file."""
     if Path(value).is_file():
         return value
     for name in (value, f"{value}.yaml"):
         if Path(name).name == name and (CONFIGS / name).is_file():
             return str(CONFIGS / name)
-    shipped = ", ".join(sorted(p.name for p in CONFIGS.glob("*.yaml")))
-    raise argparse.ArgumentTypeError(f"no config file {value!r} (relative to {Path.cwd()}), and rayvit ships "
-                                     f"no config of that name (it ships: {shipped})")
+    return value
 
 
 def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",
