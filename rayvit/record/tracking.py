@@ -96,6 +96,12 @@ def sqlite_path(uri: str) -> Optional[Path]:
     return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
+def is_new_store(uri: str) -> bool:
+    """Whether ``uri`` is a local sqlite store that does not exist yet (MLflow creates it on first use)."""
+    db = sqlite_path(uri)
+    return db is not None and not db.exists()
+
+
 def ui_command(uri: str) -> str:
     """The command that browses ``uri``'s runs (or where to point a browser for a server)."""
     if uri.startswith(("http://", "https://")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -57,12 +58,24 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     # Fail fast, cheapest first and before anything is recorded: the cluster's address (a probe, no Ray
     # yet), the tracking store, then the cluster itself.
     check_cluster(address)
-    run = StudyRun(study, name, experiment, kind=mode)
+    uri = tracking.resolve_tracking_uri(study.tracking.uri)
+    tracking.check_reachable(uri)
+    started = tracking.is_new_store(uri)
+    if started:
+        # Nothing can be reused from a store that does not exist yet, so Ray is needed: start it while
+        # MLflow creates the store's tables (seconds each, on one core each).
+        with ThreadPoolExecutor(1, thread_name_prefix="rayvit-store") as pool:
+            making = pool.submit(StudyRun, study, name, experiment, mode)
+            attach_ray(address, name, ray_log, out)
+            run = making.result()
+    else:
+        run = StudyRun(study, name, experiment, kind=mode)
     # Only the points that still have to run need the cluster: a finished sweep is summarised without Ray.
     todo = [p for p in points if run.reusable(p) is None]
     verdicts = []
     if todo:
-        attach_ray(address, name, ray_log, out)
+        if not started:
+            attach_ray(address, name, ray_log, out)
         # Points beyond the autoscaler's maximum (or a fixed cluster's size) are refused here, for the
         # whole plan; points the autoscaler can grow into wait for it just before they run.
         verdicts = check_cluster_fits([p.cfg for p in todo])
