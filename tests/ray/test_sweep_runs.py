@@ -210,6 +210,11 @@ def test_the_mlflow_ui_shows_every_strategy_against_chips_within_two_clicks(defa
         t = curves[f"{strategy} · default"]
         assert t["x"] == [1, 2] and t["xTitle"] == "chips", t
         assert t["y"] == pytest.approx([figures[1], figures[2]]), t
+    # Each curve between its interval's ends: every strategy's lo and hi lines in the same chart.
+    chart = tflops[0]["chart"]
+    for end in ("_lo", "_hi"):
+        lines = [t for t in traces if t["chart"] == chart and t["metric"] == f"tflops_per_chip{end}"]
+        assert len(lines) >= len(expected) and all(t["x"] == [1, 2] for t in lines), json.dumps(lines, indent=1)
     # Each strategy in a colour of its own (the PNG's).
     assert len({t["colour"] for t in curves.values()}) == len(expected), curves
     # The study's other curves come with it, against chips too.
