@@ -90,6 +90,9 @@ def _record(run: StudyRun, o: Outcome, role: str) -> None:
         return
     tags.update({"strategy": o.point.cfg.parallel.strategy, "world_size": o.point.world_size})
     run.record(o, tags, figures, params={f"trial.{k}": v for k, v in o.point.setting.items()})
+    if o.status == "interrupted":
+        # Stopped by the user, not broken: MLflow's KILLED, as an interrupted sweep point.
+        run.tracker.client.set_terminated(o.run_id, status="KILLED")
 
 
 def progress_line(o: Outcome, plan: SearchPlan, baseline: Outcome) -> str:
@@ -155,6 +158,7 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
     experiment = experiment or study.tracking.experiment or DEFAULT_EXPERIMENT
     check_cluster(address)        # the cluster's address first: a probe, no Ray yet
     run = StudyRun(study, name, experiment, kind="search")
+    _adopt_parent(run)
     attach_ray(address, name, ray_log, out)
     trial_cfgs = [plan.baseline.cfg] + [plan.trial(0, "", o).cfg for o in plan.settings]
     check_cluster_fits(trial_cfgs)
@@ -196,6 +200,21 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
         if live["interrupted"]:
             _interrupted(run, plan, live, signals.signum)
     return _finish(run, plan, baseline, grid, reused, screened, released, output, time.monotonic() - start)
+
+
+def _adopt_parent(run: StudyRun) -> None:
+    """An earlier run of this search (its parent run is tagged kind ``search``, which the sweep's lookup
+    does not find): reopen it, so its baseline and finished trials are reused."""
+    from rayvit.record.tracking import TAG_KIND, TAG_SWEEP, _quote
+
+    t = run.tracker
+    if t.parent_id is not None:
+        return
+    found = t.client.search_runs([t.experiment_id], f"tags.`{TAG_SWEEP}` = {_quote(run.name)} and tags.`{TAG_KIND}` = 'search'",
+                                 order_by=["attributes.start_time ASC"], max_results=1)
+    if found:
+        t.parent_id, t.resumed = found[0].info.run_id, True
+        run.done = t.completed()
 
 
 def _with_intervals(fit):
