@@ -14,6 +14,7 @@ mode, quietly. Subprocesses that stand for users or cluster nodes get a clean en
 """
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,22 @@ def digits_parquet(tmp_path_factory) -> Path:
     from shared import export_digits_parquet
 
     return export_digits_parquet(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture(scope="session")
+def _mlflow_template(tmp_path_factory) -> Path:
+    """An empty MLflow sqlite store, its tables made once: MLflow's migrations take seconds per store."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    folder = tmp_path_factory.mktemp("mlflow-template")
+    SqlAlchemyStore(f"sqlite:///{folder / 'mlflow.db'}", str(folder / "mlartifacts")).engine.dispose()
+    return folder / "mlflow.db"
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, _mlflow_template) -> str:
+    """A fresh, empty MLflow store of this test's own (a copy of the template): its sqlite URI."""
+    db = tmp_path / "store" / "mlflow.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_mlflow_template, db)
+    return "sqlite:///" + str(db)

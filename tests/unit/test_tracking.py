@@ -21,10 +21,9 @@ from rayvit.studies.sweep import rows_of, sweep_table
 from shared import PNG_MAGIC, make_result
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    uri = "sqlite:///" + str(tmp_path / "store" / "mlflow.db")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
+def store(mlflow_store, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_store)
+    return mlflow_store
 
 
 # -- where runs go ---------------------------------------------------------------------------------
