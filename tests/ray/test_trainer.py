@@ -123,26 +123,48 @@ def test_digits_as_parquet_train_through_ray_data(tmp_path):
 # -- worker groups: several runs on one set of workers, in interleaved rounds ------------------------
 
 def test_a_worker_group_measures_every_run_in_rounds_and_a_failing_run_leaves_the_others(tmp_path):
+    """Three points on one worker group, 3 rounds; one raises on every rank (as an unsupported setting or
+    an even OOM would): it is recorded failed with its error, the others are measured and recorded."""
+    from rayvit.config import load_study
+    from rayvit.studies.plan import Point
+    from rayvit.studies.runner import Progress, StudyRun
     from rayvit.trainer import fit_group
 
     base = ["train.steps=6", "train.warmup_steps=1", f"launch.storage={tmp_path}"]
-    cfgs = [two_workers(*base), two_workers(*base, "parallel.strategy=fsdp", "train.fail_at_step=3", "train.fail_rank=-1"),
-            two_workers(*base, "parallel.strategy=fairscale_oss")]
-    items = []
-    group = fit_group(cfgs, 3, on_progress=items.append)
-    # Every rank raised alike (as an unsupported setting or an even OOM would): the group goes on.
-    assert group.results[1] is None and "injected fault on rank 0 at step 3" in group.errors[1]
-    for i in (0, 2):
-        r = group.results[i]
-        assert group.errors[i] is None and r["rounds"] == 3 and r["strategy"] == cfgs[i].parallel.strategy
+    cfgs = {"ddp/w2": two_workers(*base),
+            "fsdp/w2": two_workers(*base, "parallel.strategy=fsdp", "train.fail_at_step=3", "train.fail_rank=-1"),
+            "fairscale_oss/w2": two_workers(*base, "parallel.strategy=fairscale_oss")}
+    points = [Point(i + 1, key, key.split("/")[0], 2, cfg) for i, (key, cfg) in enumerate(cfgs.items())]
+    study = load_study(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "sweep.name=raises"])
+    run = StudyRun(study, "raises", "groups", kind="scaling")
+    run.start({})
+    items, lines = [], []
+
+    def measured(cfgs, rounds, on_progress, **kwargs):       # the real fit_group, its progress items kept
+        return fit_group(cfgs, rounds, on_progress=lambda item: (items.append(item), on_progress(item)), **kwargs)
+
+    outcomes = run.run_group(points, 3, measured, lambda p: {}, Progress(3, lines.append, tty=False))
+    assert [o.status for o in outcomes] == ["done", "failed", "done"]
+    assert "injected fault on rank 0 at step 3" in outcomes[1].error
+    for o in (outcomes[0], outcomes[2]):
+        r = o.result
+        assert r["rounds"] == 3 and r["strategy"] == o.point.cfg.parallel.strategy
         assert r["images_per_sec_per_chip_lo"] <= r["images_per_sec_per_chip"] <= r["images_per_sec_per_chip_hi"]
         assert [len(x["step_times"]) for x in r.rounds] == [5, 5, 5]
     # Rotated order: fairscale_oss ran last, first, and (fsdp gone) first again.
-    assert [x["slot"] for x in group.results[2].rounds] == [2, 0, 0]
-    # Round results reached the driver as they finished; the group was one Ray Train run.
+    assert [x["slot"] for x in outcomes[2].result.rounds] == [2, 0, 0]
+    # Round results reached the driver as they finished, a line per round; the group was one Ray Train run.
     rounds = [(i["index"], i["round"]) for i in items if i.get("kind") == "round"]
     assert rounds == [(0, 0), (1, 0), (2, 0), (2, 1), (0, 1), (2, 2), (0, 2)]
+    text = "\n".join(lines)
+    assert "round 1/3: ddp/w2 " in text and "fsdp/w2 FAILED" in text and "round 3/3: ddp/w2 " in text
+    assert "[2/3] fsdp/w2 FAILED: " in text and "(median of 3 rounds, 95% interval)" in text
     assert len([d for d in os.listdir(tmp_path) if d.startswith("rayvit-group-2w-")]) == 1
+    records = {r.data.tags["rayvit.point"]: r for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
+    assert {k: r.info.status for k, r in records.items()} == {
+        "ddp/w2": "FINISHED", "fsdp/w2": "FAILED", "fairscale_oss/w2": "FINISHED"}
+    assert "injected fault" in records["fsdp/w2"].data.tags["rayvit.error"]
+    assert records["ddp/w2"].data.metrics["rounds"] == 3
 
 
 def test_a_group_that_dies_keeps_finished_points_and_measures_the_rest_alone(tmp_path):
