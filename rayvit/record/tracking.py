@@ -24,18 +24,19 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from rayvit.config import rayvit_home
+from rayvit.record import views
+from rayvit.record.views import CURVE_X, TAG_KIND, TAG_SWEEP, now_ms, quote
 from rayvit.results import RunResult
 
 # Tags that make runs filterable in the MLflow UI ("tags.rayvit.kind = 'point'").
-TAG_SWEEP = "rayvit.sweep"
-TAG_KIND = "rayvit.kind"          # "sweep" (parent), "point" (child), "curve" (one per strategy)
+# TAG_SWEEP ("rayvit.sweep") and TAG_KIND ("rayvit.kind": "sweep" parent, "point" child, "curve" one per
+# strategy) come from rayvit.record.views, whose saved view filters on them.
 TAG_POINT = "rayvit.point"        # a point's stable key within its sweep, e.g. "fsdp/w2"
 TAG_HASH = "rayvit.config_hash"   # the point's measured settings; a changed config is rerun, not reused
 TAG_ERROR = "rayvit.error"
@@ -48,14 +49,6 @@ ERROR_ARTIFACT = "error.txt"
 # What the MLflow UI reads from an experiment's tags.
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"   # "Model training", not the GenAI views
-TAG_SAVED_VIEW = "mlflow.sharedViewState."     # + view id: a saved view of the experiment's Runs page
-TAG_NOTE = "mlflow.note.content"               # the experiment's description (markdown), atop its page
-TAG_RAYVIT_NOTE = "rayvit.note"                # the description as rayvit last wrote it
-CURVE_X = "chips"                              # the x-axis metric every curve run carries
-VIEW_PREFIX = "rayvit-"                        # ids of the saved views rayvit writes (one per sweep)
-VIEW_SUFFIX = ": per chip against chips"       # their names: the sweep's name + this
-MAX_VIEWS = 20                                 # the newest kept (the UI stops saving views at 40)
-MLFLOW_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves by default
 
 
 class TrackingError(RuntimeError):
@@ -219,105 +212,12 @@ def _param_value(value: Any) -> str:
     return text[:6000]  # MLflow's parameter value limit
 
 
-def _quote(value: str) -> str:
-    return "'" + value.replace("'", "\\'") + "'"
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _md(text: str) -> str:
-    """``text`` as literal markdown (link text)."""
-    return re.sub(r"([\\`*_\[\]<>#|])", r"\\\1", text)
-
-
-def _saved_views(tags: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """``{view id: envelope}`` of the saved views rayvit wrote, from an experiment's tags."""
-    views = {}
-    for key, value in tags.items():
-        if key.startswith(TAG_SAVED_VIEW + VIEW_PREFIX):
-            try:
-                envelope = json.loads(value)
-                int(envelope["createdAt"]), str(envelope["name"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            views[key[len(TAG_SAVED_VIEW):]] = envelope
-    return views
-
-
-def curve_view_state(sweep: str, keys: list[str], bands: Iterable[str] = ()) -> dict[str, Any]:
-    """A saved view of the MLflow (3.x) experiment page: ``sweep``'s curve runs, each key against chips.
-
-    The JSON the UI itself writes when a user saves a view (its search facets and
-    ``ExperimentPageUIState``): a filter on the sweep's curve runs, all of them shown, and one line chart
-    per key whose x-axis is the ``chips`` metric. Fields left out take the UI's defaults. A key in
-    ``bands`` is drawn with its ``<key>_lo`` and ``<key>_hi`` series in the same chart (the interval).
-    """
-    bands = set(bands)
-    section, model, system = (f"rayvit-{name}" for name in ("curves", "model", "system"))
-    first = [k for k in ("tflops_per_chip", "speedup_vs_ddp") if k in keys]
-    charts = [{
-        "uuid": f"rayvit-chart-{i}", "type": "LINE", "metricSectionId": section, "deleted": False,
-        "isGenerated": False, "runsCountToCompare": 20, "metricKey": key,
-        "selectedMetricKeys": [key] + ([f"{key}_lo", f"{key}_hi"] if key in bands else []),
-        "xAxisKey": "metric", "selectedXAxisMetricKey": CURVE_X, "useGlobalXaxisKey": False,
-        "xAxisScaleType": "linear", "scaleType": "linear", "lineSmoothness": 0,
-        "useGlobalLineSmoothing": False, "displayPoints": True, "yAxisKey": "metric",
-        "yAxisExpressions": [], "ignoreOutliers": False, "range": {},
-    } for i, key in enumerate(first + [k for k in keys if k not in first])]
-    # The x-axis metric gets no chart of its own (a chart of chips against chips); a deleted card
-    # keeps the UI from generating one.
-    charts.append({"uuid": "rayvit-chart-x", "type": "LINE", "metricSectionId": model, "deleted": True,
-                   "isGenerated": True, "metricKey": CURVE_X})
-    return {
-        "searchFilter": f"tags.`{TAG_SWEEP}` = {_quote(sweep)} and tags.`{TAG_KIND}` = 'curve'",
-        "orderByKey": "attributes.start_time", "orderByAsc": True,
-        "runsHiddenMode": "SHOW_ALL",
-        "compareRunCharts": charts,
-        "compareRunSections": [
-            {"uuid": section, "name": "per chip, against chips", "display": True, "isReordered": True,
-             "deleted": False, "isGenerated": False, "columns": 2, "cardHeight": 420},
-            {"uuid": model, "name": "Model metrics", "display": True, "isReordered": False,
-             "deleted": False, "isGenerated": True},
-            {"uuid": system, "name": "System metrics", "display": True, "isReordered": False,
-             "deleted": False, "isGenerated": True},
-        ],
-        "isAccordionReordered": False,
-        "hideEmptyCharts": True,
-        "globalLineChartConfig": {"xAxisKey": "metric", "selectedXAxisMetricKey": CURVE_X,
-                                  "lineSmoothness": 0},
-    }
-
-
-def view_link(experiment_id: str, view_id: str, base: str = "") -> str:
-    """A link to a saved view's charts: the Runs page, as model training, in chart mode.
-
-    ``base`` empty gives the in-page link the experiment's description uses. The UI's own "Views"
-    menu opens a view in table mode, and MLflow 3.17 picks GenAI or model training from its sidebar
-    switch (remembered per browser), not from ``mlflow.experimentKind``: the link says both.
-    """
-    root = base.rstrip("/") + "/" if base else ""
-    return (f"{root}#/experiments/{experiment_id}/runs?workflowType=machine_learning"
-            f"&compareRunsMode=CHART&viewStateShareKey={view_id}")
-
-
 def curve_view_link(uri: str, experiment: str, sweep: str) -> Optional[str]:
-    """The browser link to sweep ``sweep``'s chart view, once it has one (else None)."""
+    """The browser link to sweep ``sweep``'s chart view in the MLflow UI, once it has one (else None)."""
     try:
-        client = _client(uri)
-        exp = client.get_experiment_by_name(experiment)
+        return views.curve_view_link(_client(uri), uri, experiment, sweep)
     except Exception:  # noqa: BLE001 - only a hint for the user
         return None
-    view_id = _view_id(sweep)
-    if exp is None or TAG_SAVED_VIEW + view_id not in exp.tags:
-        return None
-    base = uri if uri.startswith(("http://", "https://")) else MLFLOW_UI
-    return view_link(exp.experiment_id, view_id, base)
-
-
-def _view_id(sweep: str) -> str:
-    return VIEW_PREFIX + (re.sub(r"[^A-Za-z0-9_-]+", "-", sweep).strip("-") or "sweep")
 
 
 class SweepTracker:
@@ -342,7 +242,7 @@ class SweepTracker:
 
     def find_parent(self) -> Optional[str]:
         """The parent run of an earlier sweep of the same name, if any (changes nothing)."""
-        found = self._search(f"tags.`{TAG_SWEEP}` = {_quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'",
+        found = self._search(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'",
                              order_by=["attributes.start_time ASC"])
         if found:
             self.parent_id = found[0].info.run_id
@@ -383,7 +283,7 @@ class SweepTracker:
         """``{point key: (run id, RunResult, config hash)}`` of this sweep's finished child runs."""
         if self.parent_id is None:
             return {}
-        runs = self._search(f"tags.`{TAG_PARENT}` = {_quote(self.parent_id)} and "
+        runs = self._search(f"tags.`{TAG_PARENT}` = {quote(self.parent_id)} and "
                             f"tags.`{TAG_KIND}` = 'point' and attributes.status = 'FINISHED'",
                             order_by=["attributes.start_time DESC"])
         done: dict[str, tuple[str, RunResult, str]] = {}
@@ -403,7 +303,7 @@ class SweepTracker:
         node): they never finish, and the rerun measures their points again. Returns their point keys."""
         if self.parent_id is None:
             return []
-        runs = self._search(f"tags.`{TAG_PARENT}` = {_quote(self.parent_id)} and "
+        runs = self._search(f"tags.`{TAG_PARENT}` = {quote(self.parent_id)} and "
                             f"tags.`{TAG_KIND}` = 'point' and attributes.status = 'RUNNING'")
         for run in runs:
             self.fail_point(run.info.run_id, "the driver stopped before this point finished; the rerun of the "
@@ -461,7 +361,7 @@ class SweepTracker:
         """
         from mlflow.entities import Metric
 
-        now = _now_ms()
+        now = now_ms()
         batch = []
         for key, value in metrics.items():
             value = _number(value)
@@ -485,7 +385,7 @@ class SweepTracker:
     def _log_history(self, run_id: str, entries: Iterable[tuple[str, Any, int]]) -> None:
         from mlflow.entities import Metric
 
-        now = _now_ms()
+        now = now_ms()
         batch = [Metric(key, v, now, step) for key, value, step in entries
                  if (v := _number(value)) is not None]
         if batch:
@@ -502,8 +402,8 @@ class SweepTracker:
         against chips.
         """
         # Also finds the nested curve runs earlier versions made (they carry the sweep tag too).
-        for old in self._search(f"tags.`{TAG_SWEEP}` = {_quote(self.sweep)} and "
-                                f"tags.`{TAG_KIND}` = 'curve' and tags.series = {_quote(series)}"):
+        for old in self._search(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and "
+                                f"tags.`{TAG_KIND}` = 'curve' and tags.series = {quote(series)}"):
             self.client.delete_run(old.info.run_id)
         from rayvit.record.plots import STRATEGY_COLOURS  # the PNG's colour of each strategy, in the UI too
 
@@ -521,49 +421,9 @@ class SweepTracker:
         return run.info.run_id
 
     def save_curve_view(self, keys: Iterable[str], bands: Iterable[str] = ()) -> str:
-        """Save (or refresh) this sweep's view of the experiment's Runs page; returns its id.
-
-        The view lists the sweep's curve runs and charts each of ``keys`` against chips, one line per
-        strategy. The UI lists it under "Views" on the Runs page; the experiment's description links
-        to the newest sweeps' views (:meth:`_describe_views`), so the chart is one click from the
-        experiment's page.
-        """
-        view_id = _view_id(self.sweep)
-        tags = self.client.get_experiment(self.experiment_id).tags
-        views = _saved_views(tags)
-        now = _now_ms()
-        created = views.get(view_id, {}).get("createdAt", now)
-        envelope = {"name": self.sweep + VIEW_SUFFIX, "createdAt": created, "updatedAt": now,
-                    "state": json.dumps(curve_view_state(self.sweep, list(keys), bands), separators=(",", ":"))}
-        self.client.set_experiment_tag(self.experiment_id, TAG_SAVED_VIEW + view_id,
-                                       json.dumps(envelope, separators=(",", ":")))
-        views[view_id] = envelope
-        newest = sorted(views, key=lambda v: views[v]["createdAt"], reverse=True)
-        for old in newest[MAX_VIEWS:]:
-            self.client.delete_experiment_tag(self.experiment_id, TAG_SAVED_VIEW + old)
-        self._describe_views([(v, views[v]["name"]) for v in newest[:MAX_VIEWS]], tags)
-        return view_id
-
-    def _describe_views(self, views: list[tuple[str, str]], tags: Mapping[str, str]) -> None:
-        """Link the newest sweep's chart view in the experiment's description (its first line shows).
-
-        Only a description rayvit wrote (or none) is rewritten: one a user edited is left alone.
-        """
-        note = tags.get(TAG_NOTE, "")
-        if note.strip() and note != tags.get(TAG_RAYVIT_NOTE):
-            return
-        sweeps = [(view_id, _md(name.removesuffix(VIEW_SUFFIX))) for view_id, name in views]
-        (first, sweep), rest = sweeps[0], sweeps[1:10]
-        lines = [f"[**Per-chip TFLOPS of each strategy against chips: sweep {sweep}**]"
-                 f"({view_link(self.experiment_id, first)}), with speed-up over DDP, images/s and MFU", ""]
-        if rest:
-            lines += ["Earlier sweeps: " + " · ".join(f"[{name}]({view_link(self.experiment_id, view_id)})"
-                                                      for view_id, name in rest), ""]
-        lines.append("Every sweep's view is also under Runs → Views. (Written by rayvit after each scaling "
-                     "sweep; once you edit this description, rayvit leaves it alone.)")
-        text = "\n".join(lines)
-        self.client.set_experiment_tag(self.experiment_id, TAG_NOTE, text)
-        self.client.set_experiment_tag(self.experiment_id, TAG_RAYVIT_NOTE, text)
+        """Save (or refresh) this sweep's chart view of the experiment's Runs page and link it in the
+        experiment's description (:func:`rayvit.record.views.save_curve_view`); returns its id."""
+        return views.save_curve_view(self.client, self.experiment_id, self.sweep, keys, bands)
 
     # -- internals ------------------------------------------------------------------------------------
 

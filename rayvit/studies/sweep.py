@@ -126,7 +126,7 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
         missing = [p.key for p in points if p.key not in done]
         run.interrupted(missing[0] if missing else "end")
         raise
-    return _finish(run, study, points, [done[p.key] for p in points], links.measured)
+    return _finish(run, study, points, [done[p.key] for p in points], links.measured, out)
 
 
 class _Links:
@@ -179,7 +179,7 @@ class _Links:
 
 
 def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Outcome],
-            links: Optional[dict]) -> Report:
+            links: Optional[dict], out: Callable[[str], None] = print) -> Report:
     mode = study.sweep.mode
     rows = rows_of(outcomes, mode)
     report = Report(run.name, mode, run.experiment, run.uri, run.parent_id, outcomes, rows)
@@ -197,7 +197,7 @@ def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Out
             from rayvit.projection import insweep as projection
 
             files += projection.artifacts(outcomes, links, Path(tmp), f"{run.name}: measured against projected")
-            _log_curve_runs(run, rows)
+            _log_curve_runs(run, rows, out)
         report.artifacts = run.finish(files, {"rayvit.points": len(points), "rayvit.failed_points":
                                               len(report.failed)}, failed=bool(report.failed))
     return report
@@ -387,7 +387,7 @@ def _log_curves(run: StudyRun, rows: list[dict[str, Any]], mode: str) -> None:
                                             for end in ("", "_lo", "_hi")}, step=row["world_size"])
 
 
-def _log_curve_runs(run: StudyRun, rows: list[dict[str, Any]]) -> None:
+def _log_curve_runs(run: StudyRun, rows: list[dict[str, Any]], out: Callable[[str], None] = print) -> None:
     ok = [r for r in rows if r["status"] in ("done", "reused")]
     for series in dict.fromkeys(r["series"] for r in ok):
         mine = [r for r in ok if r["series"] == series]
@@ -398,8 +398,14 @@ def _log_curve_runs(run: StudyRun, rows: list[dict[str, Any]]) -> None:
         run.tracker.log_curve_run(series, curves, {"strategy": series, **shared})
     if ok:
         # The UI's chart of them all against chips, each figure between its interval's ends.
-        run.tracker.save_curve_view(CURVE_KEYS, bands=[k for k in CURVE_KEYS
-                                                       if any(number(r.get(f"{k}_lo")) is not None for r in ok)])
+        try:
+            run.tracker.save_curve_view(CURVE_KEYS, bands=[k for k in CURVE_KEYS
+                                                           if any(number(r.get(f"{k}_lo")) is not None for r in ok)])
+        except Exception as e:  # noqa: BLE001 - the view is a convenience over records that are all written
+            import mlflow
+
+            out(f"note: MLflow {mlflow.__version__} did not take rayvit's chart view ({type(e).__name__}: {e}); "
+                f"the curve runs ('<strategy> · {run.name}') and scaling.png hold the same curves")
 
 
 def print_summary(report: Report, out: Callable[[str], None] = print) -> None:

@@ -191,6 +191,44 @@ def test_sweep_view_and_description_link_the_curves(store):
     assert tags["mlflow.note.content"] == "my notes" and "mfu" in tags["mlflow.sharedViewState." + other]
 
 
+def test_the_views_json_draws_intervals_beside_their_curves():
+    """The saved view's JSON (rayvit.record.views): one chart per key against chips, TFLOPS and the
+    speed-up first; a key with an interval draws its lo and hi series in the same chart."""
+    from rayvit.record import views
+
+    state = views.curve_view_state("s'1", ["mfu", "speedup_vs_ddp", "tflops_per_chip"],
+                                   bands=["tflops_per_chip", "speedup_vs_ddp"])
+    assert state["searchFilter"] == "tags.`rayvit.sweep` = 's\\'1' and tags.`rayvit.kind` = 'curve'"
+    charts = {c["metricKey"]: c for c in state["compareRunCharts"] if not c["deleted"]}
+    assert list(charts) == ["tflops_per_chip", "speedup_vs_ddp", "mfu"]
+    assert charts["tflops_per_chip"]["selectedMetricKeys"] == ["tflops_per_chip", "tflops_per_chip_lo",
+                                                               "tflops_per_chip_hi"]
+    assert charts["mfu"]["selectedMetricKeys"] == ["mfu"]
+    assert all(c["selectedXAxisMetricKey"] == "chips" for c in charts.values())
+    # The x-axis metric itself gets no chart (a deleted card keeps the UI from generating one).
+    assert [c["metricKey"] for c in state["compareRunCharts"] if c["deleted"]] == ["chips"]
+
+
+def test_a_view_mlflow_refuses_leaves_the_curve_runs_and_says_so(store, monkeypatch):
+    """MLflow refuses an experiment tag over 20,000 characters: a view of 40 charts is one. The sweep
+    says so and goes on; the curve runs are written."""
+    from rayvit.studies import sweep
+    from rayvit.studies.runner import StudyRun
+
+    run = StudyRun(load_study(None, ["sweep.strategies=ddp,fsdp", "sweep.worker_counts=1,2"]), "wide", "exp-wide",
+                   kind="scaling")
+    run.start({})
+    monkeypatch.setattr(sweep, "CURVE_KEYS", sweep.CURVE_KEYS + tuple(f"extra_{i}" for i in range(40)))
+    printed = []
+    sweep._log_curve_runs(run, rows_of(_outcomes(), "scaling"), printed.append)
+    assert len(printed) == 1 and "did not take rayvit's chart view" in printed[0]
+    assert "the curve runs ('<strategy> · wide') and scaling.png hold the same curves" in printed[0]
+    client = MlflowClient(store)
+    curves = client.search_runs([run.tracker.experiment_id], "tags.`rayvit.kind` = 'curve'")
+    assert sorted(r.data.tags["series"] for r in curves) == ["ddp", "fsdp"]
+    assert not [k for k in client.get_experiment(run.tracker.experiment_id).tags if k.startswith("mlflow.sharedViewState.")]
+
+
 def test_existing_experiments_become_model_training_unless_the_user_chose(store):
     client = MlflowClient(store)
     bare = client.create_experiment("made-elsewhere")
