@@ -205,7 +205,8 @@ def test_asha_stopped_trials_release_their_workers(local_ray):
     # ASHA's cutoff at that rung is the 80th percentile of the losses so far, adam's included: adam passes
     # only if its loss is not above adamw's, so the test keeps the tiny model and learning rate it was
     # built on (the scaling default's), not the search default's, where that order is a coin toss.
-    cfg = search_cfg(**TINY_MODEL, **{"search.space": {"optim.name": ["adamw", "sgd", "adam"]},
+    cfg = search_cfg(**TINY_MODEL, **{"model.depth": 2, "train.batch_size": 32,      # the shape it was built on
+                                      "search.space": {"optim.name": ["adamw", "sgd", "adam"]},
                         "search.baseline": {"precision.mode": "fp32", "optim.impl": "loop"}, "search.asha": True,
                         "search.screen": False,
                         "search.asha_grace_steps": 10, "search.asha_reduction_factor": 5,
