@@ -50,7 +50,6 @@ FITS_NOW, CAN_GROW, NEVER_FITS, TOO_SMALL = "fits_now", "can_grow", "never_fits"
 
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
-_HEAD_RESOURCE = "node:__internal_head__"
 _EPS = 1e-9
 
 
@@ -307,34 +306,23 @@ def _same_gcs(ours: str, theirs: str, local_ips: set[str]) -> bool:
 
 def monitor_config_path(gcs_address: str, local_ips: set[str], proc: Path = Path("/proc")) -> Optional[str]:
     """``--autoscaling-config`` of the autoscaler monitor (v1 or v2) serving ``gcs_address`` on this machine."""
-    try:
-        entries = [e for e in os.listdir(proc) if e.isdigit()]
-    except OSError:
-        return None
-    for entry in entries:
-        try:
-            args = (proc / entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if not any(a.endswith(("autoscaler/_private/monitor.py", "autoscaler/v2/monitor.py")) for a in args):
-            continue
-        opts = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
-        if opts.get("autoscaling-config") and _same_gcs(gcs_address, opts.get("gcs-address", ""), local_ips):
-            return opts["autoscaling-config"]
-    return None
+    from rayvit.launch import compat
+
+    return compat.autoscaler_monitor_config(gcs_address, lambda ours, theirs: _same_gcs(ours, theirs, local_ips),
+                                            proc)
 
 
 def _kuberay_autoscaler() -> tuple[Optional[Autoscaler], Optional[str]]:
     """On a KubeRay pod: the limits in this pod's RayCluster, read with the pod's service account."""
+    from rayvit.launch import compat
+
     name = os.environ.get("RAY_CLUSTER_NAME")       # KubeRay sets it on every Ray container
     ns_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
     if not name or not ns_file.exists():
         return None, None
     source = f"RayCluster {name}"
     try:
-        from ray.autoscaler._private.kuberay.autoscaling_config import AutoscalingConfigProducer
-
-        config = AutoscalingConfigProducer(name, ns_file.read_text().strip())()
+        config = compat.kuberay_autoscaling_config(name, ns_file.read_text().strip())
     except Exception as e:  # noqa: BLE001 - RBAC or API errors mean "not known", never a crash
         logger.warning("cannot read RayCluster %s from the Kubernetes API: %s", name, e)
         return None, source + " (unreadable)"
@@ -343,6 +331,8 @@ def _kuberay_autoscaler() -> tuple[Optional[Autoscaler], Optional[str]]:
 
 def find_autoscaler() -> tuple[Optional[Autoscaler], list[str]]:
     """The attached cluster's autoscaler limits, and the places looked at (for messages)."""
+    from rayvit.launch import compat
+
     import ray
 
     looked = []
@@ -355,7 +345,7 @@ def find_autoscaler() -> tuple[Optional[Autoscaler], list[str]]:
         if config:
             return autoscaler_from_config(config, path), looked
     on_head = any(n.get("Alive") and n["NodeID"] == ray.get_runtime_context().get_node_id()
-                  and _HEAD_RESOURCE in n["Resources"] for n in ray.nodes())
+                  and compat.HEAD_NODE_RESOURCE in n["Resources"] for n in ray.nodes())
     bootstrap = Path(os.path.expanduser(BOOTSTRAP_CONFIG))
     looked.append(BOOTSTRAP_CONFIG + ("" if on_head else " (not on the head node)"))
     if on_head and bootstrap.exists():
@@ -369,11 +359,13 @@ def find_autoscaler() -> tuple[Optional[Autoscaler], list[str]]:
 
 def read_cluster() -> Cluster:
     """The attached cluster: alive nodes and the autoscaler's limits. Needs ``ray.init`` first."""
+    from rayvit.launch import compat
+
     import ray
 
     alive = [n for n in ray.nodes() if n.get("Alive")]
     nodes = [dict(n["Resources"]) for n in alive]
-    head = next((r for r in nodes if _HEAD_RESOURCE in r), None)
+    head = next((r for r in nodes if compat.HEAD_NODE_RESOURCE in r), None)
     autoscaler, looked = find_autoscaler()
     return Cluster(nodes, head, autoscaler, looked)
 
@@ -477,6 +469,8 @@ def capacity_for(cfg, out: Callable[[str], None] = print, *, poll_s: float = 1.0
 def _wait(cfg, demand: Demand, cluster: Cluster, out: Callable[[str], None], poll_s: float,
           report_every_s: float) -> Verdict:
     import ray
+    from rayvit.launch import compat
+
 
     deadline_s = float(cfg.launch.scale_up_timeout_s)
     start = time.monotonic()
@@ -487,7 +481,7 @@ def _wait(cfg, demand: Demand, cluster: Cluster, out: Callable[[str], None], pol
     while True:
         time.sleep(poll_s)
         cluster.nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
-        cluster.head = next((r for r in cluster.nodes if _HEAD_RESOURCE in r), None)
+        cluster.head = next((r for r in cluster.nodes if compat.HEAD_NODE_RESOURCE in r), None)
         verdict = decide(cluster, demand)
         elapsed = time.monotonic() - start
         if verdict.kind == FITS_NOW:

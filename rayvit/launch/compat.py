@@ -1,14 +1,18 @@
-"""Workarounds for Ray bugs, each with the issue it works around and the versions it is needed for.
+"""Ray's private APIs and the workarounds for Ray bugs, each with the Ray version it was checked against.
 
-This is the only module of rayvit that uses Ray's private APIs. Each workaround degrades to doing
-nothing when those APIs are gone.
+This is the only module of rayvit that uses Ray's private APIs. Each is listed in :data:`PRIVATE_APIS`
+with the Ray version it was checked against and the public API that would replace it;
+:func:`missing_private_apis` names those a Ray upgrade removed (a unit test fails loudly on any). Each
+workaround degrades to doing nothing when its API is gone; each lookup raises with what to do.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -127,3 +131,142 @@ def route_worker_output(handler, keep_ray_printer: bool = False) -> bool:
     dispatcher.remove_handler("rayvit_worker_output")
     dispatcher.add_handler("rayvit_worker_output", handler)
     return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Private APIs rayvit relies on (checked against Ray 2.60.0), each with its public replacement, if any.
+
+CHECKED_RAY = "2.60.0"
+
+# The resource Ray puts on the head node only. Public replacement: ``is_head_node`` of
+# ``ray.util.state.list_nodes()`` (needs the dashboard, which attached drivers may not have).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+# The autoscaler monitor's scripts (v1, v2), as its process's command line names them.
+AUTOSCALER_MONITOR_SCRIPTS = ("autoscaler/_private/monitor.py", "autoscaler/v2/monitor.py")
+
+
+def canonicalize_bootstrap_address(address: Optional[str]) -> str:
+    """Ray's own resolution of a driver's address ("auto", "local", $RAY_ADDRESS, the
+    ray_current_cluster file), as ``ray.init`` does it. No public replacement: ``ray.init`` resolves
+    and connects in one call."""
+    from ray._private.services import canonicalize_bootstrap_address as resolve
+
+    return resolve(address)
+
+
+def ask_gcs_cluster_id(channel, metadata, timeout: float) -> None:
+    """One ``GetClusterId`` call to the GCS on ``channel`` (a gRPC channel): raises ``grpc.RpcError``.
+    Used to probe a cluster's reachability and authentication mode before ``ray.init``, which would
+    hang or retry for minutes. No public replacement."""
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+    stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), metadata=metadata, timeout=timeout)
+
+
+def auth_token_loader():
+    """Ray's token loader (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), which
+    knows where this process's token comes from. Public replacement: none (``ray get-auth-token`` is a CLI)."""
+    from ray._raylet import AuthenticationTokenLoader
+
+    return AuthenticationTokenLoader.instance()
+
+
+def reload_auth_mode() -> None:
+    """Make Ray re-read ``RAY_AUTH_MODE`` (cached when ``ray._raylet`` is imported) and drop the token
+    loader's cache, in the order Ray's own ``reset_auth_token_state`` uses. No public replacement."""
+    from ray._raylet import Config
+
+    Config.initialize("")
+    auth_token_loader().reset_cache()
+
+
+def kuberay_autoscaling_config(cluster_name: str, namespace: str) -> dict:
+    """The autoscaling config of a KubeRay RayCluster, translated by the code the KubeRay autoscaler
+    sidecar runs. No public replacement."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import AutoscalingConfigProducer
+
+    return AutoscalingConfigProducer(cluster_name, namespace)()
+
+
+def autoscaler_monitor_config(gcs_address: str, same_gcs: Callable[[str, str], bool],
+                              proc: Path = Path("/proc")) -> Optional[str]:
+    """``--autoscaling-config`` of the autoscaler monitor (v1 or v2) serving ``gcs_address`` on this
+    machine, from the processes' command lines: Ray 2.60's autoscalers publish neither their node types
+    nor their limits (the GCS slot ``ray._private.state.state.get_cluster_config()`` stays empty in
+    open-source Ray). Public replacement: that slot, once an autoscaler fills it."""
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            args = (proc / entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not any(a.endswith(AUTOSCALER_MONITOR_SCRIPTS) for a in args):
+            continue
+        opts = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+        if opts.get("autoscaling-config") and same_gcs(gcs_address, opts.get("gcs-address", "")):
+            return opts["autoscaling-config"]
+    return None
+
+
+def _has(module: str, *names: str) -> Callable[[], Any]:
+    def check() -> Any:
+        import importlib
+
+        found = importlib.import_module(module)
+        for name in names:
+            found = getattr(found, name)
+        return found
+    return check
+
+
+def _monitor_scripts_exist() -> None:
+    import ray
+
+    root = Path(ray.__file__).parent
+    missing = [s for s in AUTOSCALER_MONITOR_SCRIPTS if not (root / s).exists()]
+    if missing:
+        raise FileNotFoundError(", ".join(missing))
+
+
+def _head_resource_named() -> None:
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+
+    if HEAD_NODE_RESOURCE != HEAD_NODE_RESOURCE_NAME:
+        raise ValueError(f"Ray's head-node resource is {HEAD_NODE_RESOURCE_NAME}, no longer {HEAD_NODE_RESOURCE}")
+
+
+# name -> (how to check it is still there, the public API that would replace it)
+PRIVATE_APIS: dict[str, tuple[Callable[[], Any], str]] = {
+    "ray._private.services.canonicalize_bootstrap_address": (
+        _has("ray._private.services", "canonicalize_bootstrap_address"), "none (ray.init resolves and connects)"),
+    "ray.core.generated.gcs_service_pb2_grpc.NodeInfoGcsServiceStub.GetClusterId": (
+        _has("ray.core.generated.gcs_service_pb2", "GetClusterIdRequest"), "none"),
+    "ray._raylet.AuthenticationTokenLoader": (_has("ray._raylet", "AuthenticationTokenLoader", "instance"), "none"),
+    "ray._raylet.Config.initialize": (_has("ray._raylet", "Config", "initialize"), "none"),
+    "ray.autoscaler._private.kuberay.autoscaling_config.AutoscalingConfigProducer": (
+        _has("ray.autoscaler._private.kuberay.autoscaling_config", "AutoscalingConfigProducer"), "none"),
+    "the autoscaler monitor's scripts (AUTOSCALER_MONITOR_SCRIPTS)": (
+        _monitor_scripts_exist, "ray._private.state.state.get_cluster_config(), once filled"),
+    "the head node's resource (HEAD_NODE_RESOURCE)": (
+        _head_resource_named, "ray.util.state.list_nodes()[i].is_head_node"),
+    "ray._private.state.state (placement-group table)": (
+        _has("ray._private.state", "state"), "ray.util.state.list_placement_groups() lacks the creator actor"),
+    "ray._private.ray_logging.global_worker_stdstream_dispatcher": (
+        _has("ray._private.ray_logging", "global_worker_stdstream_dispatcher"), "ray.init(log_to_driver=...)"),
+}
+
+
+def missing_private_apis() -> list[str]:
+    """The private APIs of :data:`PRIVATE_APIS` this Ray no longer has, each with what went wrong."""
+    missing = []
+    for name, (check, _) in PRIVATE_APIS.items():
+        try:
+            check()
+        except Exception as e:  # noqa: BLE001 - every way of being gone is the same answer
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+    return missing

@@ -112,6 +112,8 @@ def resolve_address(address: Optional[str] = None) -> Optional[str]:
     """The GCS address (host:port or ``ray://...``) ``ray.init`` would attach to, or None for a new local
     instance. Same rules as Ray: ``address``, else ``$RAY_ADDRESS``, else a cluster started with
     ``ray start`` on this machine (Ray's ``ray_current_cluster`` file); ``"local"`` forces a new one."""
+    from rayvit.launch import compat
+
     given = (address or os.environ.get("RAY_ADDRESS") or "").strip() or None
     source = "--address" if address else "$RAY_ADDRESS"
     if given is not None:
@@ -122,12 +124,10 @@ def resolve_address(address: Optional[str] = None) -> Optional[str]:
                 f"through the dashboard, use `ray job submit --address {given} -- python ...`")
         if given.startswith("ray://"):
             return given
-    from ray._private.services import canonicalize_bootstrap_address
-
     try:
         # Ray's own resolution (its worker.py calls this in ray.init), so "auto", "local", $RAY_ADDRESS and
         # the ray_current_cluster file mean here what they mean to ray.init.
-        return canonicalize_bootstrap_address(given)
+        return compat.canonicalize_bootstrap_address(given)
     except ConnectionError as e:       # "auto" with no cluster running on this machine
         raise ClusterUnreachable(f"{source}={given}: {e}") from e
     except ValueError as e:
@@ -161,20 +161,19 @@ def cluster_auth_mode(address: str, *, timeout_s: float = CONNECT_TIMEOUT_S, lab
 
 def _ask_gcs(address: str, timeout_s: float, metadata) -> tuple:
     """One ``GetClusterId`` call, retried while the address does not answer; (status code or None, detail)."""
+    from rayvit.launch import compat
+
     import grpc
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
     # gRPC backs off up to 2 minutes between reconnects; a head coming up must be seen within the timeout.
     options = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.min_reconnect_backoff_ms", 500),
                ("grpc.max_reconnect_backoff_ms", 1000)]
     with grpc.insecure_channel(address, options=options) as channel:
-        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         while True:
             remaining = deadline - time.monotonic()
             try:
-                stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), metadata=metadata,
-                                  timeout=max(0.5, min(remaining, 5.0)))
+                compat.ask_gcs_cluster_id(channel, metadata, timeout=max(0.5, min(remaining, 5.0)))
                 return None, ""
             except grpc.RpcError as e:
                 code, detail = e.code(), (e.details() or "").strip()
@@ -187,10 +186,11 @@ def _ask_gcs(address: str, timeout_s: float, metadata) -> tuple:
 
 def _check_token(address: str, timeout_s: float, label: str) -> None:
     """A token is at hand and the cluster at ``address`` accepts it."""
-    import grpc
-    from ray._raylet import AuthenticationTokenLoader
+    from rayvit.launch import compat
 
-    loader = AuthenticationTokenLoader.instance()
+    import grpc
+
+    loader = compat.auth_token_loader()
     if not loader.has_token(ignore_auth_mode=True):
         raise ClusterAuthError(
             f"the Ray cluster at {label} has token authentication on, and no token was found here. "
@@ -216,11 +216,10 @@ def _token_source() -> str:
 def _set_auth_mode(mode: str) -> None:
     """Make this process (and the processes it starts) use ``mode``, whatever it was at Ray's import.
 
-    Ray caches ``RAY_AUTH_MODE`` in its config when ``ray._raylet`` is imported; ``Config.initialize("")``
-    re-reads the environment (what Ray's ``_enable_token_auth`` does), and the token loader's cache is
-    dropped after it, in the order Ray's ``reset_auth_token_state`` uses.
+    Ray caches ``RAY_AUTH_MODE`` in its config when ``ray._raylet`` is imported: it is made to re-read it
+    (:func:`rayvit.launch.compat.reload_auth_mode`).
     """
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from rayvit.launch import compat
 
     global _mode_we_set
     current = os.environ.get(_AUTH_MODE)
@@ -231,8 +230,7 @@ def _set_auth_mode(mode: str) -> None:
     if current is not None and current != _mode_we_set:
         logger.info("RAY_AUTH_MODE=%s here, the cluster's mode is %s: using the cluster's", current, mode)
     os.environ[_AUTH_MODE] = _mode_we_set = mode
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    compat.reload_auth_mode()
 
 
 
