@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from rayvit.formats import clock as _clock
+
 logger = logging.getLogger(__name__)
 
 FITS_NOW, CAN_GROW, NEVER_FITS, TOO_SMALL = "fits_now", "can_grow", "never_fits", "too_small"
@@ -181,7 +183,7 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Placement:
     """What this cluster can do for one run."""
 
     demand: Demand
@@ -208,18 +210,18 @@ def _ceiling(cluster: Cluster, demand: Demand) -> tuple[int, float]:
     return max(bundles, now), max(cpus, cluster.total("CPU"))
 
 
-def decide(cluster: Cluster, demand: Demand) -> Verdict:
+def decide(cluster: Cluster, demand: Demand) -> Placement:
     """Whether ``demand`` fits the cluster now, after the autoscaler grows it, or never."""
     now = sum(per_node(n, demand.bundle) for n in cluster.nodes)
     cpus_now = cluster.total("CPU")
     if now >= demand.workers and cpus_now - demand.total("CPU") >= -_EPS:
-        return Verdict(demand, FITS_NOW, now)
+        return Placement(demand, FITS_NOW, now)
     if cluster.autoscaler is None:
-        return Verdict(demand, TOO_SMALL, now, None, _too_small(cluster, demand, now))
+        return Placement(demand, TOO_SMALL, now, None, _too_small(cluster, demand, now))
     ceiling, cpus_max = _ceiling(cluster, demand)
     if ceiling >= demand.workers and cpus_max - demand.total("CPU") >= -_EPS:
-        return Verdict(demand, CAN_GROW, now, ceiling)
-    return Verdict(demand, NEVER_FITS, now, ceiling, _never_fits(cluster, demand, ceiling, cpus_max))
+        return Placement(demand, CAN_GROW, now, ceiling)
+    return Placement(demand, NEVER_FITS, now, ceiling, _never_fits(cluster, demand, ceiling, cpus_max))
 
 
 def _bundle_text(demand: Demand) -> str:
@@ -374,7 +376,7 @@ def read_cluster() -> Cluster:
 # The checks the sweep and the search make
 
 
-def check_plan(cfgs: list, cluster: Optional[Cluster] = None) -> list[Verdict]:
+def check_plan(cfgs: list, cluster: Optional[Cluster] = None) -> list[Placement]:
     """A verdict per config; raises ``ClusterTooSmall`` naming the first run that can never be placed.
 
     Runs the autoscaler can grow into pass: they wait for it, one at a time, in :func:`capacity_for`.
@@ -387,7 +389,7 @@ def check_plan(cfgs: list, cluster: Optional[Cluster] = None) -> list[Verdict]:
     return verdicts
 
 
-def summary(verdicts: list[Verdict]) -> Optional[str]:
+def summary(verdicts: list[Placement]) -> Optional[str]:
     """One line about the runs that need the autoscaler, or None when every run fits now."""
     grow = [v for v in verdicts if v.kind == CAN_GROW]
     if not grow:
@@ -408,12 +410,6 @@ def worker_start_timeout_s(cfg) -> float:
     if cfg.launch.worker_start_timeout_s is not None:
         return float(cfg.launch.worker_start_timeout_s)
     return float(os.environ.get(WORKER_START_TIMEOUT_ENV, 30))
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
 def progress_line(cluster: Cluster, demand: Demand, elapsed: float) -> str:
@@ -438,7 +434,7 @@ def _request(bundles: list[dict[str, float]]) -> None:
 
 @contextlib.contextmanager
 def capacity_for(cfg, out: Callable[[str], None] = print, *, poll_s: float = 1.0,
-                 report_every_s: float = 15.0) -> Iterator[Verdict]:
+                 report_every_s: float = 15.0) -> Iterator[Placement]:
     """Hold the cluster at the size ``cfg`` needs while the body runs.
 
     Refuses runs that can never fit (``ClusterTooSmall``). When the autoscaler can grow the cluster to
@@ -467,7 +463,7 @@ def capacity_for(cfg, out: Callable[[str], None] = print, *, poll_s: float = 1.0
 
 
 def _wait(cfg, demand: Demand, cluster: Cluster, out: Callable[[str], None], poll_s: float,
-          report_every_s: float) -> Verdict:
+          report_every_s: float) -> Placement:
     import ray
     from rayvit.launch import compat
 

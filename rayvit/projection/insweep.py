@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rayvit.formats import positive as _finite
 from rayvit.projection import performance
 from rayvit.projection.profiles import HardwareProfile, cpu_profile, profile_for_accelerator, with_measured_links
 
@@ -158,7 +159,3 @@ def _dense(counts: list[int]) -> list[int]:
     lo, hi = min(counts), max(counts)
     extra = [2 ** k for k in range(int(math.log2(max(lo, 1))), int(math.log2(hi)) + 1) if lo <= 2 ** k <= hi]
     return sorted(set(counts) | set(extra))
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0

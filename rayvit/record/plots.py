@@ -8,7 +8,6 @@ New figure kinds (e.g. a Tune search's accuracy-vs-throughput scatter) follow th
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -17,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: drivers run headless, on clusters and under `ray job submit`
 import matplotlib.pyplot as plt  # noqa: E402
+
+from rayvit.formats import number as _finite  # noqa: E402
 
 Row = Mapping[str, Any]
 
@@ -29,12 +30,6 @@ _CAPTION = (
 # A stable colour per strategy across figures; DDP, the baseline, is always grey-black.
 STRATEGY_COLOURS = {"ddp": "#333333", "fsdp": "#1f77b4", "fairscale_oss": "#ff7f0e",
                      "fairscale_fsdp": "#2ca02c"}
-
-
-def _finite(value: Any) -> Optional[float]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
 
 
 def conditions_caption(rows: Iterable[Row], omit: Sequence[str] = ()) -> str:

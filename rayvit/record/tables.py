@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from rayvit.formats import fmt, number, times  # noqa: F401 - the tables' formatters, here for their users
 
 Row = Mapping[str, Any]
 # A column: its header, and how one row's cell is written.
 Column = tuple[str, Callable[[Row], str]]
-
-
-def number(value: Any) -> Optional[float]:
-    """``value`` as a finite float, or None (missing, NaN, inf, bool, text)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def fmt(value: Any, spec: str) -> str:
-    value = number(value)
-    return "-" if value is None else format(value, spec)
-
-
-def times(value: Any) -> str:
-    """A ratio as ``1.23x`` (``-`` when missing)."""
-    return fmt(value, ".2f") + ("x" if number(value) is not None else "")
 
 
 def cell(key: str, spec: Optional[str] = None, scale: float = 1.0) -> Callable[[Row], str]:

@@ -18,7 +18,6 @@ Only the driver talks to MLflow; workers never do.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from rayvit.config import rayvit_home
+from rayvit.formats import number as _number
 from rayvit.record import views
 from rayvit.record.views import CURVE_X, TAG_KIND, TAG_SWEEP, now_ms, quote
 from rayvit.results import RunResult
@@ -198,13 +198,6 @@ def environment_tags() -> dict[str, str]:
 
 # --------------------------------------------------------------------------------------------------
 # Small helpers over the client
-
-
-def _number(value: Any) -> Optional[float]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
 
 
 def _param_value(value: Any) -> str:

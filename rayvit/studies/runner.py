@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from rayvit.config import Study
 from rayvit.record import tracking
-from rayvit.record.tables import fmt
+from rayvit.formats import clock, fmt
 from rayvit.results import RunResult
 from rayvit.studies.judge import Verdict, last_line
 from rayvit.studies.plan import Point
@@ -67,12 +67,6 @@ class Report:
     @property
     def exit_code(self) -> int:
         return 1 if self.failed else 0
-
-
-def clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
 
 
 class Progress:
