@@ -205,16 +205,21 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
 def _adopt_parent(run: StudyRun) -> None:
     """An earlier run of this search (its parent run is tagged kind ``search``, which the sweep's lookup
     does not find): reopen it, so its baseline and finished trials are reused."""
-    from rayvit.record.tracking import TAG_KIND, TAG_SWEEP, _quote
+    from rayvit.record.tracking import TAG_KIND, TAG_SWEEP
 
     t = run.tracker
     if t.parent_id is not None:
         return
-    found = t.client.search_runs([t.experiment_id], f"tags.`{TAG_SWEEP}` = {_quote(run.name)} and tags.`{TAG_KIND}` = 'search'",
+    found = t.client.search_runs([t.experiment_id], f"tags.`{TAG_SWEEP}` = '{_escaped(run.name)}' and tags.`{TAG_KIND}` = 'search'",
                                  order_by=["attributes.start_time ASC"], max_results=1)
     if found:
         t.parent_id, t.resumed = found[0].info.run_id, True
         run.done = t.completed()
+
+
+def _escaped(value: str) -> str:
+    """``value`` inside single quotes of an MLflow filter string."""
+    return value.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _with_intervals(fit):
