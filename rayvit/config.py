@@ -19,6 +19,7 @@ import math
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
@@ -70,6 +71,12 @@ class ModelConfig:
     classifier: Literal["token", "pooled"] = "token"
     layout: Literal["batch_first", "batch_second"] = "batch_first"
     dropout: float = 0.0
+    # Kernel fusion with torch.compile, the way each strategy supports it (rayvit.worker.strategies):
+    # each encoder block compiled before sharding (FSDP2, as torchtitan does; FairScale OSS), or the
+    # DDP-wrapped model (DDPOptimizer splits its graph at the gradient buckets). FairScale FSDP is refused.
+    # The steps that compile run among train.warmup_steps, outside the timed window; their extra time is
+    # recorded as compile_time_s.
+    compile: bool = False
 
 
 @dataclass
@@ -159,7 +166,6 @@ class TrainConfig:
     fail_at_step: int = 0
     fail_rank: int = 0
     fail_mode: Literal["raise", "exit"] = "raise"
-    compile: bool = False
 
 
 @dataclass
@@ -185,7 +191,7 @@ class LaunchConfig:
 
 
 LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
-                "batch_second", "image_256", "full_half")
+                "batch_second", "image_256", "full_half", "compile")
 STRATEGIES = ("ddp", "fsdp", "fairscale_oss", "fairscale_fsdp")
 
 
@@ -366,9 +372,32 @@ def _run_config(data: dict[str, Any]) -> Config:
     return cfg
 
 
+# Keys that moved: old name -> new name. An old name still works, with a warning naming the new one.
+RENAMED_KEYS = {"train.compile": "model.compile"}
+
+
+def _renamed(key: str) -> str:
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return key
+    warnings.warn(f"{key} is now {new} (torch.compile is applied per strategy, decided with the model); "
+                  f"read as {new}: write {new} instead", FutureWarning, stacklevel=4)
+    return new
+
+
 def _with_overrides(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
     data = copy.deepcopy(data)
+    # Renamed keys in the base data first, so that an override of either name still wins over the file.
+    for old in RENAMED_KEYS:
+        section, _, name = old.partition(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            new_section, _, new_name = _renamed(old).partition(".")
+            value = data[section].pop(name)
+            if not isinstance(data.get(new_section), dict):
+                data[new_section] = {}
+            data[new_section][new_name] = value
     for key, value in _parse_overrides(overrides):
+        key = _renamed(key)
         section, _, name = key.partition(".")
         if not name:
             raise ConfigError(f"override {key!r} must look like section.key=value")
@@ -531,6 +560,16 @@ def _validate_strategy_precision(p: ParallelConfig, prec: PrecisionConfig) -> No
             "parallel.strategy=ddp or fsdp, which reduce in fp32")
 
 
+# Strategies whose library cannot run under torch.compile, and why (decided here, before any wrapping).
+COMPILE_UNSUPPORTED = {
+    "fairscale_fsdp": (
+        "FairScale's FullyShardedDataParallel (0.4.13, unmaintained since it was upstreamed into PyTorch) "
+        "does not support torch.compile: it predates it and swaps flattened-parameter views in and out of "
+        "the model around every forward and backward; use parallel.strategy=fsdp (PyTorch FSDP2, which "
+        "compiles each block), or model.compile=false for the study's FairScale FSDP"),
+}
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks of a run config; raises ConfigError naming the key, the value and the fix."""
     _validate_model(cfg.model)
@@ -587,6 +626,12 @@ def _validate_parallel(cfg: Config) -> None:
         why = fused_unavailable(cfg.optim.name, p.strategy, "cuda" if p.use_gpu else "cpu")
         _check(why is None, f"optim.impl=fused with optim.name={cfg.optim.name} and parallel.strategy="
                             f"{p.strategy}: {why}; use optim.impl=foreach")
+    if cfg.model.compile:
+        why = COMPILE_UNSUPPORTED.get(p.strategy)
+        _check(why is None, f"model.compile=true cannot run with parallel.strategy={p.strategy}: {why}")
+        _check(cfg.train.warmup_steps >= 1,
+               f"model.compile=true needs train.warmup_steps >= 1 (got {cfg.train.warmup_steps}): the first "
+               "step compiles, and it must stay outside the timed window")
 
 
 def _validate_data(d: DataConfig) -> None:

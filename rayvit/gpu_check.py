@@ -4,7 +4,7 @@
     rayvit gpu-check --quick              # fewer checks, a shorter ladder: within 3 minutes
     rayvit gpu-check --list               # the checks it would run (no GPU needed)
     rayvit gpu-check --model vit_h16      # the study's ViT-H/16
-    rayvit gpu-check --compile            # also torch.compile one training run
+    rayvit gpu-check --compile            # also torch.compile: DDP and FSDP2 runs, the ladder's compile rung
 
 Checks, each PASS or FAIL with its reason, or N/A where this machine cannot tell (a check that cannot
 fail here is never reported as passed):
@@ -25,7 +25,8 @@ fail here is never reported as passed):
                own choice was a flash kernel (profiler)
   memory       per precision level: torch.cuda.max_memory_allocated's growth per image of batch against
                rayvit.projection's activation model (within -25%/+33%), and the peak against its total
-  compile      (--compile) a torch.compile'd training run, same criteria
+  compile      (--compile) model.compile under DDP (amp-bf16, the wrapped model compiled) and FSDP2 (mixed-bf16,
+               each block compiled before sharding): same criteria, and compile time recorded
   nvml         a training run's NVML sampler reports utilisation and power over its timed window, and
                peak allocated <= reserved memory, per rank and as the run's figures
   profile      the hardware profile the in-sweep projection picks for this GPU (its name and memory
@@ -94,6 +95,8 @@ def parse_args(argv: Optional[list[str]] = None, prog: str = "rayvit gpu-check")
             args.warmup = 3
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be >= 0 and below --steps")
+    if args.compile and args.warmup < 1:
+        parser.error("--compile needs --warmup >= 1: the compile rung's first step compiles, outside the timing")
     if args.batch_size < 1:
         parser.error("--batch-size must be positive")
     return args
@@ -207,8 +210,14 @@ def check_training(device, overrides: dict[str, Any], steps: int = 30) -> str:
     if not losses[-1] < losses[0]:
         raise RuntimeError(f"loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
     m, c = result.metrics, result.conditions
+    compiled = ""
+    if cfg.model.compile:
+        if not m.get("compile_time_s", 0) > 0:
+            raise RuntimeError(f"model.compile=true recorded no compile time: {m.get('compile_time_s')}")
+        compiled = f", compiled in {m['compile_time_s']:.1f} s (outside the timing)"
     return (f"{c['precision']}, reduce {c['reduce_dtype']}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-            f"{m['images_per_sec_per_chip']:.0f} img/s, peak {m['peak_memory_bytes_per_rank'] / 2**20:.0f} MiB")
+            f"{m['images_per_sec_per_chip']:.0f} img/s, peak {m['peak_memory_bytes_per_rank'] / 2**20:.0f} MiB"
+            + compiled)
 
 
 def _trained_session(device, overrides: dict[str, Any], steps: int, before_steps=None):
@@ -558,8 +567,10 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
     for mode in ("fp32", "amp", "mixed", "pure"):
         checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
     if compile_:
-        checks.append(("torch.compile (ddp, amp-bf16)", partial(
-            train, {"train.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"})))
+        for strategy, mode in (("ddp", "amp"), ("fsdp", "mixed")):
+            checks.append((f"compile {strategy} {mode}-bf16", partial(
+                train, {"model.compile": True, "parallel.strategy": strategy, "precision.mode": mode,
+                        "precision.dtype": "bf16"})))
     return checks
 
 
@@ -597,7 +608,7 @@ def run_check(name: str, fn: Callable[[], str], out: Callable[[str], None]) -> d
 def ladder_config(args: argparse.Namespace, *, model: Optional[dict[str, Any]] = None,
                   ladder_image_size: int = 256):
     """The ladder as a study: the chosen ViT at 224 px with an ImageNet head, synthetic batches, one GPU."""
-    from rayvit.config import study_from_dict
+    from rayvit.config import LADDER_RUNGS, study_from_dict
 
     return study_from_dict({
         "model": model or {"name": args.model, "image_size": 224, "num_classes": 1000},
@@ -607,7 +618,9 @@ def ladder_config(args: argparse.Namespace, *, model: Optional[dict[str, Any]] =
         "data": {"name": "synthetic"},
         "train": {"batch_size": args.batch_size, "steps": args.steps, "warmup_steps": args.warmup,
                   "report_every": args.steps},
-        "sweep": {"mode": "ladder", "ladder_image_size": ladder_image_size},
+        # The compile rung (compiling costs a minute or so) with --compile only.
+        "sweep": {"mode": "ladder", "ladder_image_size": ladder_image_size,
+                  "rungs": [r for r in LADDER_RUNGS if r != "compile" or getattr(args, "compile", False)]},
     })
 
 

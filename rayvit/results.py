@@ -38,6 +38,10 @@ METRIC_KEYS = (
     "train_flops_per_image",
     "peak_tflops",                 # the MFU denominator used
     "timed_steps",
+    # model.compile only, absent otherwise: how much longer the warm-up steps took than a median timed step
+    # (the step that compiles, and any that recompile), the slowest rank's; never inside the timed window.
+    # Over rounds the largest (the first compile in a fresh worker; later rounds may reuse its caches).
+    "compile_time_s",
     "wall_time_s",                 # the whole loop on rank 0, warm-up and evaluation included (all rounds)
     "rounds",                      # how many rounds the medians and intervals are taken over
 )
@@ -132,6 +136,9 @@ class RunResult:
             values = [res.metrics[key] for res in results if res.metrics.get(key) is not None]
             if values:
                 metrics[key] = max(values)
+        compile_times = [res.metrics["compile_time_s"] for res in results if "compile_time_s" in res.metrics]
+        if compile_times:
+            metrics["compile_time_s"] = max(compile_times)
         per_rank = dict(last.per_rank)
         for key in ("peak_memory_bytes", "peak_memory_reserved_bytes"):
             lists = [res.per_rank[key] for res in results if res.per_rank.get(key)]

@@ -7,6 +7,11 @@ as a ratio to the first. Only one variant exists at a time: each round builds it
 and closes it before the next is built, so each variant's peak memory is its own (a session restarts the
 peak when it starts) and no variant's model shares the device with another's. Several ``--compare``
 flags give several groups.
+
+``--compare model.compile=false,true`` times kernel fusion: the steps that compile are among each round's
+warm-up steps, never timed; how much longer they took than a timed step is reported separately (``compile
+s``: the first round's, a cold compile; later rounds of the same process may reuse dynamo's and inductor's
+caches, and are in the JSON).
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import torch
 
 from rayvit.config import Config, ConfigError, load_config
 from rayvit.worker import hardware, metrics
-from rayvit.worker.loop import Session
+from rayvit.worker.loop import Session, compile_overhead_s
 
 EXAMPLES = """examples:
   rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8
   rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8 \\
       --compare optim.impl=loop,foreach --compare precision.mode=fp32,amp
   rayvit bench --config experiments/configs/cpu_default.yaml --compare model.layout=batch_first,batch_second
+  rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8 --compare model.compile=false,true
 """
 
 
@@ -41,6 +47,8 @@ class Variant:
     model_state_bytes: int = 0
     peak_memory_bytes: int = 0          # the largest of its rounds' peaks
     rate: dict = field(default_factory=dict)
+    # model.compile: per round, the warm-up steps' time beyond the round's median timed step.
+    compile_times: list[float] = field(default_factory=list)
 
     @property
     def images_per_sec(self) -> float:
@@ -87,6 +95,9 @@ def measure_round(v: Variant, steps: int, warmup: int, announce: bool = False) -
             session.clear_grads()
             session.train_step()
             v.times.append(session.history[-1]["step_time_s"])
+        if v.cfg.model.compile:
+            times = [h["step_time_s"] for h in session.history]
+            v.compile_times.append(compile_overhead_s(times[:warmup], times[warmup:]))
         v.model_state_bytes = session.model_state_bytes()
         v.peak_memory_bytes = max(v.peak_memory_bytes, hardware.peak_memory_bytes(session.device))
         v.rate = session.rate_figures(v.images_per_sec)
@@ -108,18 +119,28 @@ def report(variants: list[Variant]) -> list[dict]:
             "tflops": rate["tflops_per_chip"], "mfu": rate["mfu"], "peak_source": rate["peak_source"],
             "model_state_mb": v.model_state_bytes / 2 ** 20,
             "peak_memory_mb": v.peak_memory_bytes / 2 ** 20,
+            # The first round's compile (cold), and every round's; None when not compiled.
+            "compile_s": v.compile_times[0] if v.compile_times else None,
+            "compile_s_by_round": list(v.compile_times),
         })
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
     header = (f"{'variant':<34} {'img/s':>9} {'ratio':>6} {'p50 s':>8} {'p90 s':>8} {'TFLOPS':>8} "
-              f"{'MFU':>6} {'state MB':>9} {'peak MB':>9}")
+              f"{'MFU':>6} {'state MB':>9} {'peak MB':>9} {'compile s':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r['variant']:<34} {r['images_per_sec']:>9.2f} {r['ratio']:>6.3f} "
                      f"{r['step_time_p50_s']:>8.4f} {r['step_time_p90_s']:>8.4f} {r['tflops']:>8.4f} "
-                     f"{r['mfu']:>6.3f} {r['model_state_mb']:>9.1f} {r['peak_memory_mb']:>9.1f}")
+                     f"{r['mfu']:>6.3f} {r['model_state_mb']:>9.1f} {r['peak_memory_mb']:>9.1f} "
+                     f"{'-' if r['compile_s'] is None else format(r['compile_s'], '.1f'):>9}")
+    for r in rows:
+        if r["compile_s"] is not None:
+            later = r["compile_s_by_round"][1:]
+            lines.append(f"{r['variant']}: compiling took {r['compile_s']:.1f} s in the first round"
+                         + (f" ({min(later):.1f}-{max(later):.1f} s in later rounds, caches warm)" if later else "")
+                         + ", in warm-up steps outside the timing")
     return "\n".join(lines)
 
 
@@ -136,6 +157,9 @@ def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
+        print("error: --warmup must be >= 0, --steps and --rounds >= 1", file=sys.stderr)
+        return 2
     try:
         # The benchmark measures the step itself: synthetic data, never a dataset's decode cost.
         cfg = load_config(args.config, ["data.name=synthetic", *args.overrides])
@@ -143,7 +167,13 @@ def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
         for group in groups:
             if group is not None:
                 for value in group[1]:
-                    cfg.replace([f"{group[0]}={value}"])       # validate every variant before any runs
+                    variant = cfg.replace([f"{group[0]}={value}"])   # validate every variant before any runs
+                    if variant.model.compile and args.warmup < 1:
+                        raise ConfigError(f"{group[0]}={value} compiles in its first step: it needs --warmup >= 1 "
+                                          "to keep compiling out of the timing")
+        if cfg.model.compile and args.warmup < 1:
+            raise ConfigError("model.compile=true compiles in its first step: it needs --warmup >= 1 to keep "
+                              "compiling out of the timing")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

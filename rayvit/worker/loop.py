@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import statistics
 import time
 from typing import Any, Callable, Optional
 
@@ -43,6 +44,12 @@ def default_device(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
+def compile_overhead_s(warmup_times: list[float], timed_times: list[float]) -> float:
+    """The time warm-up steps took beyond a median timed step: what compiling cost under model.compile."""
+    steady = statistics.median(timed_times)
+    return sum(max(0.0, t - steady) for t in warmup_times)
+
+
 class Session:
     """Everything one worker builds for ``cfg``; ``train_step()`` runs and times one optimizer step."""
 
@@ -71,7 +78,8 @@ class Session:
         model = self.precision.prepare_model(build_model(cfg.model).to(self.device))
         self.model, self.optimizer = self.strategy.parallelize(model)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, cfg.train.steps)
-        self.forward = torch.compile(self.model) if cfg.train.compile else self.model
+        # model.compile: blocks were compiled before wrapping, or the wrapped model is compiled here.
+        self.forward = self.strategy.forward_of(self.model)
         self.data = build_data(cfg, self.device, rank=self.rank, world_size=self.world_size,
                                dataset_shards=dataset_shards)
         self.complexity = vit_complexity(cfg.model)
@@ -81,6 +89,7 @@ class Session:
         self.history: list[dict] = []         # per step: step, loss, lr, step_time_s
         self.evals: list[dict] = []
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
+        self.warmup_step_times: list[float] = []   # this attempt's warm-up steps (model.compile compiles there)
         self.steps_this_attempt = 0
         self.skipped_steps = 0
         # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
@@ -117,6 +126,8 @@ class Session:
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
             self.step_times.append(elapsed)
+        else:
+            self.warmup_step_times.append(elapsed)
         self.history.append({"step": self.step, "loss": loss_value,
                              "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed})
         self.step += 1
@@ -197,6 +208,13 @@ class Session:
             total += tensors_bytes(self.masters.masters) + tensors_bytes(grads_of(self.masters.masters))
         return total
 
+    def compile_time_s(self) -> float:
+        """Under ``model.compile``: the warm-up steps' time beyond a median timed step, which is what
+        compiling them cost (the step that compiles and any that recompile); 0.0 when not compiled."""
+        if not self.cfg.model.compile or not self.step_times:
+            return 0.0
+        return compile_overhead_s(self.warmup_step_times, self.step_times)
+
     def rate_figures(self, images_per_sec_per_chip: float) -> dict:
         """TFLOPS per chip and MFU at a per-chip image rate, for this model and precision."""
         return metrics.rate_figures(self.complexity.train_flops_per_image, images_per_sec_per_chip,
@@ -210,7 +228,8 @@ class Session:
         """
         readings = self.sampler.stop() if self.sampler is not None else {}
         times = torch.tensor(self.step_times or [float("nan")], dtype=torch.float64)
-        stats = torch.tensor([times.sum().item(), float(self.model_state_bytes())], dtype=torch.float64)
+        stats = torch.tensor([times.sum().item(), float(self.model_state_bytes()), self.compile_time_s()],
+                             dtype=torch.float64)
         reserved = hardware.peak_reserved_bytes(self.device)
         mine = {"peak_memory_bytes": float(hardware.peak_memory_bytes(self.device)),
                 "peak_memory_reserved_bytes": math.nan if reserved is None else float(reserved),
@@ -253,6 +272,8 @@ class Session:
         }
         if "val_accuracy" in final_eval:
             figures["val_accuracy"] = final_eval["val_accuracy"]
+        if self.cfg.model.compile:
+            figures["compile_time_s"] = stats[2].item()      # the slowest rank's
         return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
                          history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
                          restarts=self.restarts, per_rank=per_rank, step_times=slowest)

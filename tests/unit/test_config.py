@@ -73,3 +73,37 @@ def test_replace_returns_validated_copy():
     assert other.parallel.num_workers == 2 and cfg.parallel.num_workers == 1
     with pytest.raises(ConfigError):
         cfg.replace({"parallel.num_workers": 0})
+
+
+def test_model_compile_is_decided_when_the_config_loads():
+    for strategy in ("ddp", "fsdp", "fairscale_oss"):
+        assert load_config(overrides=[f"parallel.strategy={strategy}", "model.compile=true"]).model.compile
+    # FairScale FSDP cannot run compiled: refused at load, saying why and what runs instead (on GPUs, where
+    # the strategy itself is allowed).
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true", "model.compile=true"])
+    for words in ("model.compile=true", "parallel.strategy=fairscale_fsdp", "does not support torch.compile",
+                  "parallel.strategy=fsdp", "model.compile=false"):
+        assert words in str(err.value)
+    assert not load_config(overrides=["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true"]).model.compile
+    # The step that compiles must be a warm-up step, never a timed one.
+    with pytest.raises(ConfigError, match=r"model.compile=true needs train.warmup_steps >= 1 \(got 0\)"):
+        load_config(overrides=["model.compile=true", "train.warmup_steps=0"])
+
+
+def test_train_compile_is_read_as_model_compile_with_a_warning(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  compile: true\n  steps: 7\n")
+    with pytest.warns(FutureWarning, match="train.compile is now model.compile"):
+        cfg = load_config(path)
+    assert cfg.model.compile and cfg.train.steps == 7 and "train.compile" not in cfg.flatten()
+    # An override of either name wins over the file; the old name in an override works too.
+    with pytest.warns(FutureWarning):
+        assert not load_config(path, ["model.compile=false"]).model.compile
+    with pytest.warns(FutureWarning):
+        assert load_config(overrides=["train.compile=true"]).model.compile
+    with pytest.warns(FutureWarning):
+        assert not load_config().replace({"train.compile": False}).model.compile
+    # Where the renamed key meets the new validation, the message names the new key.
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="model.compile=true cannot run"):
+        load_config(overrides=["train.compile=true", "parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true"])

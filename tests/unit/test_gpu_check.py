@@ -37,6 +37,13 @@ def test_list_names_every_case_without_a_gpu():
                  "reduce fsdp pure-bf16 ->fp32", "reduce fairscale_fsdp mixed-fp16 ->half",
                  "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1"):
         assert case in full.stdout
+    assert "compile" not in full.stdout            # torch.compile only with --compile
+    compiled = _run("--list", "--quick", "--compile")
+    assert compiled.returncode == 0, compiled.stderr
+    for case in ("compile ddp amp-bf16", "compile fsdp mixed-bf16", "8-compile/w1"):
+        assert case in compiled.stdout
+    refused = _run("--list", "--compile", "--warmup", "0")
+    assert refused.returncode == 2 and "--compile needs --warmup >= 1" in refused.stderr
     quick = _run("--list", "--quick")
     assert quick.returncode == 0, quick.stderr
     assert "10 steps, 3 warm-up" in quick.stdout and "precision pure-fp16" not in quick.stdout

@@ -44,7 +44,7 @@ def test_ladder_is_cumulative_with_bf16_on_cpu():
     cfg = load_study(CONFIGS / "ladder_cpu.yaml")
     points = plan(cfg)
     assert [p.series for p in points] == ["baseline", "mixed_precision", "fsdp", "mta_optimizer",
-                                          "pooled_classifier", "batch_second", "image_256", "full_half"]
+                                          "pooled_classifier", "batch_second", "image_256", "full_half", "compile"]
     assert {p.world_size for p in points} == {cfg.run.parallel.num_workers}
     state = [(p.cfg.parallel.strategy, p.cfg.precision.mode, p.cfg.optim.impl, p.cfg.model.classifier,
               p.cfg.model.layout, p.cfg.model.image_size) for p in points]
@@ -59,6 +59,21 @@ def test_ladder_is_cumulative_with_bf16_on_cpu():
     two = plan(load_study(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=baseline,pooled_classifier"]))
     assert [(p.series, p.cfg.parallel.strategy, p.cfg.optim.impl) for p in two] == [
         ("baseline", "ddp", "loop"), ("pooled_classifier", "fsdp", "foreach")]
+
+
+def test_the_ladders_last_rung_compiles_on_top_of_every_other():
+    points = plan(load_study(CONFIGS / "ladder_cpu.yaml"))
+    assert [p.cfg.model.compile for p in points] == [False] * 8 + [True]
+    full_half, fused = points[-2].cfg, points[-1].cfg
+    assert fused.replace({"model.compile": False}) == full_half       # compile is all the last rung adds
+    assert points[-1].key == "8-compile/w2" and points[-1].config_hash != points[-2].config_hash
+    # Alone with the baseline it still carries every rung before it (FSDP2, pure bf16, ...).
+    two = plan(load_study(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=baseline,compile"]))
+    assert [(p.series, p.cfg.parallel.strategy, p.cfg.precision.mode, p.cfg.model.compile) for p in two] == [
+        ("baseline", "ddp", "fp32", False), ("compile", "fsdp", "pure", True)]
+    # The study's GPU ladder gets the rung too.
+    gpu = plan(load_study(CONFIGS / "study_a100.yaml", ["sweep.mode=ladder", "precision.mode=amp"]))
+    assert gpu[-1].series == "compile" and gpu[-1].cfg.model.compile
 
 
 def test_plan_errors_name_the_problem():

@@ -54,6 +54,11 @@ class Strategy:
     # The strategy applies ``precision.mode=mixed`` itself (FSDP's mixed-precision policies): the model
     # stays fp32 until it is wrapped and no separate fp32 master copy is kept.
     owns_mixed_precision: ClassVar[bool] = False
+    # How ``model.compile`` applies (config validation refuses it where a library cannot run compiled):
+    # "blocks": each encoder block is compiled before the model is wrapped, torchtitan's recipe for FSDP2 (a
+    # block's wrapper hooks stay outside its graph; identical blocks share one compiled graph); "wrapped":
+    # the wrapped model is compiled whole, as DDP documents it.
+    compile_mode: ClassVar[str] = "blocks"
 
     def __init__(self, cfg: "Config", precision: Precision, device: torch.device) -> None:
         self.cfg = cfg
@@ -69,8 +74,23 @@ class Strategy:
         Weight decay is decided on the unwrapped model, where every tensor still has its shape and name.
         """
         plan = weight_decay_plan(model)
+        self.compile_blocks(model)
         model = self.wrap(model)
         return model, self.build_optimizer(model, plan)
+
+    def compile_blocks(self, model: nn.Module) -> None:
+        """Under ``model.compile`` with ``compile_mode = "blocks"``: each encoder block becomes its compiled
+        module, in place, before any wrapper sees it. Compiling is lazy: the first step compiles."""
+        if self.cfg.model.compile and self.compile_mode == "blocks":
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block)
+
+    def forward_of(self, model: nn.Module):
+        """What the loop calls for a forward pass: the wrapped model, compiled whole under
+        ``model.compile`` with ``compile_mode = "wrapped"``."""
+        if self.cfg.model.compile and self.compile_mode == "wrapped":
+            return torch.compile(model)
+        return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model

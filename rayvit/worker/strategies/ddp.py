@@ -44,6 +44,10 @@ def cast_allreduce_hook(wire_dtype, bucket):
 
 class DDP(Strategy):
     name = "ddp"
+    # torch.compile of the DDP-wrapped module, as DDP's documentation asks ("apply the DDP model wrapper
+    # before compiling"): dynamo's DDPOptimizer (torch._dynamo.config.optimize_ddp, on by default) splits
+    # the graph at the bucket boundaries so that each bucket's all-reduce still overlaps backward.
+    compile_mode = "wrapped"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.device.index] if self.device.type == "cuda" else None

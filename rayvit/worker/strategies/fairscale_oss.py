@@ -30,6 +30,9 @@ class FairScaleOSS(Strategy):
 
         # ShardedDDP needs the optimizer to know which rank owns which gradient: optimizer first.
         groups = param_groups(model, self.cfg.optim.weight_decay, weight_decay_plan(model))
+        # model.compile: blocks compiled before wrapping; ShardedDDP's gradient hooks sit on each
+        # parameter's accumulator, outside the compiled graphs, and fire as with the eager model.
+        self.compile_blocks(model)
         cls, kwargs = optimizer_spec(self.cfg.optim, [p for g in groups for p in g["params"]],
                                      eps=self.precision.adam_eps(self.cfg.optim.eps))
         optimizer = OSS(groups, optim=cls, **kwargs)

@@ -3,6 +3,11 @@
 torchtitan's recipe: shard every encoder block, then the root, so each block's parameters are gathered
 just before it runs and freed (``reshard_after_forward``) right after. Parameters become DTensors, each
 rank holding its shard. FairScale's FSDP was upstreamed into this; it runs on CPU with gloo too.
+
+``model.compile``: each block is compiled before it is sharded (torchtitan's ``apply_compile`` then
+``apply_fsdp``), so ``fully_shard`` puts its all-gather and reduce-scatter hooks on the compiled module,
+outside the graph (FSDP2's hooks are ``torch._dynamo.disable``d). LayerNorm kept in fp32 puts the norm
+groups' hooks inside each block: dynamo then splits the block's graph at them, and the rest still fuses.
 """
 
 from __future__ import annotations
