@@ -13,11 +13,12 @@ So, before any trial:
    (:mod:`rayvit.projection`) carries the single-device step to the trial's worker count (communication,
    the optimizer), so screened figures are per-chip figures of the trial, and each has a 95% interval
    from the blocks of timed steps (:mod:`rayvit.stats`), never narrower than :data:`NOISE_FLOOR`.
-3. Trials run best screened objective first. A setting is not trained when it cannot beat the
-   baseline even at the top of its screened interval (below it beyond the screen's noise), nor once a
-   feasible trial's measured objective exceeds its screened objective (:class:`ScreenedOrder` decides
-   before each trial): since trials run best screened first, the search then stops. A setting the
-   screen cannot tell from the baseline is trained: a noisy screen costs trials, never the winner.
+3. Trials run best screened objective first. A setting is not trained when its screened objective does
+   not exceed the baseline's (the baseline counts as the first feasible setting), nor once a feasible
+   trial's measured objective exceeds its screened objective (:class:`ScreenedOrder` decides before each
+   trial): since trials run best screened first, the search then stops. The reason says whether the
+   setting is below the baseline beyond the screen's noise (e.g. bf16 on a CPU without bf16
+   instructions) or only not above it.
 
 Accuracy is not screened: a setting is feasible only after its trial. Screening orders and prunes a
 grid; ``time_to_accuracy`` is ordered by screened images/s and nothing is pruned (time to a target
@@ -256,6 +257,11 @@ def screen(baseline: Screened, candidates: list[Screened], objective: str, *, de
         if prunes and c.ratio.hi <= 1.0:
             c.decision = "screened out"
             c.reason = f"{c.ratio.median:.2f}x the baseline on this {device}" + (f": {c.note}" if c.note else "")
+        elif prunes and c.ratio.median <= 1.0:
+            # The stop rule with the baseline as the first feasible setting: its objective already
+            # exceeds this setting's screened one.
+            c.decision = "screened out"
+            c.reason = f"screened {c.ratio.text('.2f', 'x')} the baseline: not above it"
         else:
             c.reason = f"screened {c.ratio.text('.2f', 'x')} the baseline"
     return report
@@ -365,7 +371,7 @@ def screen_plan_lines(cfg: Config, s, candidates: int) -> list[str]:
         f"(settings below {DECIDED_BELOW:g}x the baseline after round 1 are decided)",
         f"  screened objective: the single-device step projected to {cfg.parallel.num_workers} workers "
         f"(rayvit.projection), 95% interval from blocks of timed steps, at least +-{NOISE_FLOOR:.0%}",
-        "  trials run best screened first; a setting below the baseline beyond the screen's noise is not "
-        "trained, and the search stops once a feasible trial's measured objective exceeds every remaining "
-        "setting's screened objective",
+        "  trials run best screened first; a setting whose screened objective is not above the baseline's "
+        "is not trained, and the search stops once a feasible trial's measured objective exceeds every "
+        "remaining setting's screened objective",
     ]

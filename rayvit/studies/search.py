@@ -589,7 +589,9 @@ def search_columns(objective: str, best: Optional[str]) -> list[Column]:
             return "baseline"
         if not r["feasible"]:
             return "interrupted" if r["status"] == "interrupted" else "infeasible"
-        return "beats baseline" if r.get("beats_baseline") else "within noise"
+        if r.get("beats_baseline"):
+            return "beats baseline"
+        return "below baseline" if "below the baseline" in (r["reason"] or "") else "within noise"
 
     return [
         ("", lambda r: "*" if r["trial"] == best else ""), ("trial", cell("trial")), ("setting", cell("setting")),
@@ -602,8 +604,8 @@ def search_columns(objective: str, best: Optional[str]) -> list[Column]:
 
 def _short_reason(reason: str) -> str:
     """The table's reason: up to the interval detail (the trial's line and MLflow keep the whole text)."""
-    return (reason or "").split(": ", 1)[0] if "within noise" in (reason or "") or "beyond noise" in (reason or "") \
-        else (reason or "")
+    reason = reason or ""
+    return reason.split(": ", 1)[0] if "95% intervals" in reason else reason
 
 
 def search_table(rows: list[dict[str, Any]], objective: str, best: Optional[str] = None) -> str:

@@ -197,6 +197,11 @@ def test_screen_interval_is_never_narrower_than_its_noise_floor_and_failed_scree
     assert same.trained                                      # 1.05x (1.00-1.10): may still beat the baseline
     assert slower.decision == "screened out" and slower.ratio.hi < 1.0 and slower.reason == "0.91x the baseline on this cpu"
     assert broken.trained and "CUDA out of memory" in broken.reason and report.order[-1] is broken
+    # Not above the baseline, though within its noise: the baseline's own objective already exceeds it.
+    close = screened("t04", {"optim.impl": "foreach"}, 0.0714, jitter=0.0)                # 0.98x (0.93-1.03)
+    screen(base, [close], "tflops_per_chip")
+    assert close.decision == "screened out" and close.ratio.hi > 1.0
+    assert close.reason.startswith("screened 0.98x (0.93-1.03) the baseline: not above it")
 
 
 def test_screened_order_trains_best_first_and_stops_once_a_feasible_trial_beats_every_remaining_screen():
