@@ -445,7 +445,7 @@ def _entries(plan: SearchPlan, screened: Optional[screen.ScreenReport], reused: 
     if screened is None:
         return [trials.Entry(p.key, dict(p.setting)) for p in plan.candidates() if p.key not in reused]
     for c in screened.screened_out:
-        live["skipped"][c.label] = "screened out: " + c.reason
+        live["skipped"][c.label] = c.reason if c.reason.startswith("screened") else "screened out: " + c.reason
     entries = []
     for c in screened.order:
         if c.label in reused:
