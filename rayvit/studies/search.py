@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 from ray import tune
 
 from rayvit.config import Config, Study, rayvit_home
+from rayvit.launch import compat
 from rayvit.launch.compat import PlacementGroupReleaser
 from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, times, write_parquet
@@ -49,10 +50,10 @@ from rayvit.studies.plan import Point, SearchPlan, plan_search, setting_label
 from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, attach_ray, print_where, with_interval
 from rayvit.studies.screen import ScreenReport
 
-# Ray's marker resource on the head node. Trial drivers ask for a sliver of it: they do no training, so
-# they need no CPU, and the head node is the one least likely to be preempted (the Ray Train + Tune guide
+# Trial drivers ask for a sliver of the head node's marker resource: they do no training, so they need
+# no CPU, and the head node is the one least likely to be preempted (the Ray Train + Tune guide
 # recommends keeping Train driver processes off the worker nodes).
-HEAD_NODE_RESOURCE = "node:__internal_head__"
+HEAD_NODE_RESOURCE = compat.HEAD_NODE_RESOURCE
 DEFAULT_EXPERIMENT = "rayvit-search"
 
 
