@@ -89,3 +89,30 @@ def test_progress_line_and_worker_start_timeout(monkeypatch):
     monkeypatch.setenv(capacity.WORKER_START_TIMEOUT_ENV, "1800")
     assert capacity.worker_start_timeout_s(_cfg()) == 1800
     assert capacity.worker_start_timeout_s(_cfg("launch.worker_start_timeout_s=600")) == 600
+
+
+def test_every_private_ray_api_rayvit_uses_is_still_there():
+    """rayvit.launch.compat is the one door to Ray's private APIs; a Ray upgrade that removes one fails
+    here, naming it, rather than deep inside a cluster run."""
+    from rayvit.launch import compat
+
+    assert compat.missing_private_apis() == []
+    assert all(replacement for _, replacement in compat.PRIVATE_APIS.values())
+    import ray
+
+    assert ray.__version__ == compat.CHECKED_RAY, (
+        f"Ray {ray.__version__} is not the {compat.CHECKED_RAY} rayvit.launch.compat was checked against: "
+        "check each of its private APIs and the workarounds, then update CHECKED_RAY")
+
+
+def test_no_module_but_compat_reaches_into_rays_private_apis():
+    import re
+    from pathlib import Path
+
+    import rayvit
+
+    root = Path(rayvit.__file__).parent
+    private = re.compile(r"^\s*(from|import)\s+ray(\.\w+)*\.(_private|_raylet|core\.generated)|__internal_head__", re.M)
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "compat.py" and private.search(p.read_text())]
+    assert offenders == [], f"private Ray APIs outside rayvit/launch/compat.py: {offenders}"
