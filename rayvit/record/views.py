@@ -32,7 +32,7 @@ MLFLOW_UI = "http://127.0.0.1:5000"            # where `mlflow ui` serves by def
 
 def quote(value: str) -> str:
     """``value`` as a quoted string of an MLflow search filter."""
-    return "'" + value.replace("'", "\\'") + "'"
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def now_ms() -> int:

@@ -22,13 +22,11 @@ that change how the work is done (:data:`~rayvit.studies.plan.SEARCHABLE_KEYS`),
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import signal
-import tempfile
 import threading
 import time
 from datetime import datetime
@@ -37,40 +35,29 @@ from typing import Any, Callable, Optional
 
 from ray import tune
 
-from rayvit.config import Config, Study, rayvit_home
+from rayvit.config import Config, Study
 from rayvit.launch import compat
 from rayvit.launch.compat import PlacementGroupReleaser
-from rayvit.record import plots, tracking
-from rayvit.record.tables import Column, cell, fmt, format_table, times, write_parquet
+from rayvit.record import tracking
+from rayvit.record.tables import fmt
 from rayvit.results import RunResult
 from rayvit.studies import screen, trials
-from rayvit.studies.judge import (BaselineFailed, SearchInterrupted, Verdict, best_outcome, judge, last_line,
-                                  speedup, versus_baseline)
-from rayvit.studies.plan import Point, SearchPlan, plan_search, setting_label
-from rayvit.studies.runner import Outcome, Progress, Report, StudyRun, attach_ray, print_where, with_interval
-from rayvit.studies.screen import ScreenReport
+from rayvit.studies.judge import BaselineFailed, SearchInterrupted, Verdict, best_outcome, judge, versus_baseline
+from rayvit.studies.plan import SearchPlan, plan_search, setting_label
+from rayvit.studies.runner import Outcome, Progress, StudyRun, attach_ray, with_interval
+from rayvit.studies.search_report import (SearchReport, _best_header, _best_path, _log_parent_results,
+                                          print_summary, screen_figure, search_table, sort_rows, trial_rows,
+                                          write_best_config)
+
+# What callers import from here: running a search, and what it reports and raises.
+__all__ = ["BaselineFailed", "SearchInterrupted", "SearchReport", "Verdict", "print_summary", "run_search",
+           "search_table", "write_best_config"]
 
 # Trial drivers ask for a sliver of the head node's marker resource: they do no training, so they need
 # no CPU, and the head node is the one least likely to be preempted (the Ray Train + Tune guide
 # recommends keeping Train driver processes off the worker nodes).
 HEAD_NODE_RESOURCE = compat.HEAD_NODE_RESOURCE
 DEFAULT_EXPERIMENT = "rayvit-search"
-
-
-@dataclasses.dataclass
-class SearchReport(Report):
-    """A search's report: the baseline, the best feasible outcome and the config written for it."""
-
-    baseline: Optional[Outcome] = None
-    best: Optional[Outcome] = None
-    best_config_path: Optional[Path] = None
-    objective: str = "tflops_per_chip"
-    mode: str = "max"
-    released_placement_groups: int = 0
-    screen: Optional[ScreenReport] = None
-    not_trained: dict[str, str] = dataclasses.field(default_factory=dict)   # label -> why (screen, stop rule)
-    saved_seconds: float = 0.0
-    saved_device_hours: float = 0.0
 
 
 def default_search_name() -> str:
@@ -206,21 +193,16 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
 def _adopt_parent(run: StudyRun) -> None:
     """An earlier run of this search (its parent run is tagged kind ``search``, which the sweep's lookup
     does not find): reopen it, so its baseline and finished trials are reused."""
-    from rayvit.record.tracking import TAG_KIND, TAG_SWEEP
+    from rayvit.record.views import TAG_KIND, TAG_SWEEP, quote
 
     t = run.tracker
     if t.parent_id is not None:
         return
-    found = t.client.search_runs([t.experiment_id], f"tags.`{TAG_SWEEP}` = '{_escaped(run.name)}' and tags.`{TAG_KIND}` = 'search'",
+    found = t.client.search_runs([t.experiment_id], f"tags.`{TAG_SWEEP}` = {quote(run.name)} and tags.`{TAG_KIND}` = 'search'",
                                  order_by=["attributes.start_time ASC"], max_results=1)
     if found:
         t.parent_id, t.resumed = found[0].info.run_id, True
         run.done = t.completed()
-
-
-def _escaped(value: str) -> str:
-    """``value`` inside single quotes of an MLflow filter string."""
-    return value.replace("\\", "\\\\").replace("'", "\\'")
 
 
 def _with_intervals(fit):
@@ -311,10 +293,6 @@ def _screen(plan: SearchPlan, out: Callable[[str], None]) -> screen.ScreenReport
     return report
 
 
-def screen_figure(c: screen.Screened, objective: str) -> str:
-    return f"{objective} {c.objective.text('.4g')}" if c.objective else f"not screened ({c.error})"
-
-
 def _baseline(run: StudyRun, plan: SearchPlan, fit, out: Callable[[str], None]) -> Outcome:
     """The reference run: reused from an earlier run of this search when its settings are unchanged."""
     point, s = plan.baseline, plan.study.search
@@ -353,52 +331,6 @@ def _reused(run: StudyRun, plan: SearchPlan, baseline: Outcome, out: Callable[[s
     return reused
 
 
-def tune_storage(cfg: Config) -> str:
-    """Where Tune keeps its experiments: beside Ray Train's runs (``launch.storage`` on clusters)."""
-    from rayvit.launch.storage import storage_path
-
-    base = storage_path(cfg)
-    return base.rstrip("/") + "_tune" if "://" in base else str(Path(base).parent / "tune_results")
-
-
-@contextlib.contextmanager
-def _tune_output_off():
-    """Tune silent: rayvit prints each trial's lines itself.
-
-    Ray 2.60's new Tune output engine prints its "Configuration for experiment" box and a TensorBoard
-    hint even at ``verbose=0`` (``tune.run`` calls ``experiment_started`` whatever the verbosity); the
-    legacy engine, chosen by Ray's documented ``RAY_AIR_NEW_OUTPUT=0``, honours ``verbose=0``. Set for
-    the driver's ``fit()`` only, then restored.
-    """
-    saved = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = saved
-
-
-class _TrialProgress:
-    """The driver's live view of running trials: rank 0's step figures, labelled by trial, as lines."""
-
-    def __init__(self, plan: SearchPlan, out: Callable[[str], None]):
-        self.plan, self.progress, self.shown = plan, Progress(plan.num_trials, out), {}
-
-    def __call__(self, item: dict) -> None:
-        label = item.get("trial")
-        if label is None or item.get("kind", "step") != "step":
-            return
-        if label not in self.shown:
-            self.progress._printed = 0.0           # each trial's first step is always shown
-            index = int(label[1:]) if label[1:].isdigit() else 0
-            point = Point(0, label, label, self.plan.base.parallel.num_workers, self.plan.base, {})
-            self.shown[label] = self.progress.live(point)
-        self.shown[label](item)
-
-
 def _trials(run: StudyRun, plan: SearchPlan, baseline: Outcome, parallel: int,
             screened: Optional[screen.ScreenReport], reused: dict[str, Outcome], out):
     """The trials not reused, through Tune: in screened order with the screen's stop rule (grid), or Optuna."""
@@ -416,7 +348,7 @@ def _trials(run: StudyRun, plan: SearchPlan, baseline: Outcome, parallel: int,
         out(progress_line(o, plan, baseline))
     live["finish"] = finish
     releaser = PlacementGroupReleaser()
-    channel = ProgressChannel(_TrialProgress(plan, out))
+    channel = ProgressChannel(trials.TrialProgress(plan, out))
     trainable = tune.with_resources(
         tune.with_parameters(trials.trial_trainable, base=study.run.to_dict(), search=dataclasses.asdict(s),
                              search_name=run.name, baseline_accuracy=baseline.result.metrics["val_accuracy"],
@@ -429,9 +361,9 @@ def _trials(run: StudyRun, plan: SearchPlan, baseline: Outcome, parallel: int,
         return [], 0
     # A fresh Tune experiment per attempt: finished trials come back from MLflow, not Tune's state.
     tune_name = f"{run.name}-{datetime.now().strftime('%H%M%S')}"
-    tuner = _new_tuner(plan, trainable, parallel, [releaser, trials.TrialRecorder(run.name)], tune_name,
+    tuner = trials.new_tuner(plan, trainable, parallel, [releaser, trials.TrialRecorder(run.name)], tune_name,
                        study.run, entries, baseline, reused)
-    with channel, _tune_output_off():
+    with channel, trials.tune_environment():
         grid = tuner.fit()
     # The last trial's controller may still be dying: leave the cluster as we found it.
     releaser.drain()
@@ -457,38 +389,6 @@ def _entries(plan: SearchPlan, screened: Optional[screen.ScreenReport], reused: 
     return entries
 
 
-def _new_tuner(plan: SearchPlan, trainable, parallel: int, callbacks: list, name: str, cfg: Config,
-               entries: list[trials.Entry], baseline: Outcome, reused: dict[str, Outcome]):
-    s = plan.study.search
-    if s.algorithm == "grid":
-        finished = {k: (speedup(o.verdict.objective, baseline.verdict.objective, plan.mode)
-                        if o.verdict.feasible else None) for k, o in reused.items()}
-        search_alg = trials.ScreenedOrder(plan.study.search.name, entries, baseline.verdict.objective, plan.mode,
-                                          prune=s.screen and s.objective != "time_to_accuracy", finished=finished)
-        param_space, samples = {}, len(entries)
-    else:
-        param_space = {k: tune.choice(v) for k, v in plan.space.items()}
-        search_alg, samples = trials.optuna_searcher(s, cfg.train.seed, plan.mode), s.num_samples
-    # The workers' intermediate reports carry loss, not the objective (it exists only once the run is
-    # measured); Tune would otherwise reject them. Read at each result, in this process.
-    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    scheduler = None
-    if s.asha:
-        from ray.tune.schedulers import ASHAScheduler
-
-        # max_t above the last step: the budget's end is never a reason to stop a trial (that would cut
-        # off its final report); rungs fall at grace x factor^k steps.
-        grace = s.asha_grace_steps or max(1, cfg.train.steps // 4)
-        scheduler = ASHAScheduler(time_attr="step", metric="loss", mode="min", max_t=cfg.train.steps + 1,
-                                  grace_period=min(grace, cfg.train.steps), reduction_factor=s.asha_reduction_factor)
-    return tune.Tuner(
-        trainable, param_space=param_space,
-        tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=scheduler, num_samples=samples,
-                                    max_concurrent_trials=parallel, reuse_actors=False),
-        run_config=tune.RunConfig(name=name, storage_path=tune_storage(cfg), verbose=0, callbacks=callbacks,
-                                  stop=trials.InterruptStop(plan.study.search.name)))
-
-
 def _finish(run: StudyRun, plan: SearchPlan, baseline: Outcome, trained: list[Outcome], reused: dict[str, Outcome],
             screened: Optional[screen.ScreenReport], released: int, output: Optional[str | Path],
             seconds: float) -> SearchReport:
@@ -507,7 +407,7 @@ def _finish(run: StudyRun, plan: SearchPlan, baseline: Outcome, trained: list[Ou
         report.saved_seconds, report.saved_device_hours = screen.saved_estimate(
             skipped, screened.baseline, baseline.seconds if baseline.status == "done" else 0.0,
             plan.base.train.steps, plan.base.parallel.num_workers)
-    report.rows = sort_rows(rows_of(outcomes, baseline, plan.mode, screened, not_trained), plan.mode)
+    report.rows = sort_rows(trial_rows(outcomes, baseline, plan.mode, screened, not_trained), plan.mode)
     report.best_config_path = write_best_config(
         plan.study.run if best is baseline else best.point.cfg, _best_path(output, run.name),
         _best_header(report, s.max_accuracy_drop))
@@ -515,172 +415,3 @@ def _finish(run: StudyRun, plan: SearchPlan, baseline: Outcome, trained: list[Ou
     return report
 
 
-def _best_path(output: Optional[str | Path], name: str) -> Path:
-    return Path(output) if output else rayvit_home() / "searches" / name / "best_config.yaml"
-
-
-def _best_header(report: SearchReport, max_drop: float) -> list[str]:
-    best, base = report.best, report.baseline
-    gain = speedup(best.verdict.objective, base.verdict.objective, report.mode)
-    return [
-        f"Best feasible setting of rayvit search {report.name!r} (MLflow experiment {report.experiment!r}, "
-        f"parent run {report.parent_run_id}).",
-        f"Setting: {setting_label(best.point.setting)} ({best.point.key}); {report.objective} = "
-        f"{fmt(best.verdict.objective, '.4g')}, {fmt(gain, '.2f')}x the baseline's.",
-        f"Validation accuracy {fmt(best.result.metrics.get('val_accuracy'), '.2%')} against the baseline's "
-        f"{base.result.metrics['val_accuracy']:.2%} (allowed drop: {max_drop * 100:.1f} points).",
-        "Run it: rayvit sweep --config <this file>"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Rows, the table, the best config
-
-
-def rows_of(outcomes: list[Outcome], baseline: Outcome, mode: str, screened: Optional[screen.ScreenReport] = None,
-            not_trained: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
-    """One flat row per setting (baseline first): setting, status, verdict, objective, speedup, screen,
-    conditions, figures; settings the screen kept from training are rows too, with why."""
-    rows = []
-    screens = {c.label: c for c in screened.candidates} if screened is not None else {}
-    for o in [baseline] + [o for o in outcomes if o is not baseline]:
-        v = o.verdict
-        row: dict[str, Any] = {"trial": o.point.key, "setting": setting_label(o.point.setting), "status": o.status,
-                               "feasible": v.feasible, "beats_baseline": v.beats_baseline, "reason": v.reason,
-                               "objective": v.objective,
-                               "speedup_vs_baseline": speedup(v.objective, baseline.verdict.objective, mode),
-                               "accuracy_drop": v.accuracy_drop, "run_id": o.run_id,
-                               "seconds": round(o.seconds, 1), "error": o.error}
-        row.update(_screen_cells(screens.get(o.point.key)))
-        row.update({f"set.{k}": val for k, val in o.point.setting.items()})
-        if o.result is not None:
-            row.update(o.result.row())
-        rows.append(row)
-    for label, why in (not_trained or {}).items():
-        c = screens.get(label)
-        if c is None:
-            continue
-        row = {"trial": label, "setting": setting_label(c.setting), "status": "not trained", "feasible": False,
-               "beats_baseline": None, "reason": why, "objective": None, "speedup_vs_baseline": None,
-               "accuracy_drop": None, "run_id": None, "seconds": 0.0, "error": None, **_screen_cells(c)}
-        row.update({f"set.{k}": val for k, val in c.setting.items()})
-        rows.append(row)
-    return rows
-
-
-def _screen_cells(c: Optional[screen.Screened]) -> dict[str, Any]:
-    if c is None or c.ratio is None:
-        return {"screened_ratio": None, "screened_ratio_lo": None, "screened_ratio_hi": None}
-    return {"screened_ratio": c.ratio.median, "screened_ratio_lo": c.ratio.lo, "screened_ratio_hi": c.ratio.hi}
-
-
-def sort_rows(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    """Baseline first, then the best objective first; settings without one by their screened ratio."""
-    sign = -1.0 if mode == "max" else 1.0
-    return sorted(rows, key=lambda r: (r["trial"] != "baseline", r["objective"] is None,
-                                       sign * (r["objective"] or 0.0), -(r.get("screened_ratio") or 0.0)))
-
-
-def search_columns(objective: str, best: Optional[str]) -> list[Column]:
-    spec = ".4g" if objective != "time_to_accuracy" else ".1f"
-
-    def verdict(r: dict[str, Any]) -> str:
-        if r["status"] == "not trained":
-            return "not trained"
-        if r["trial"] == "baseline":
-            return "baseline"
-        if not r["feasible"]:
-            return "interrupted" if r["status"] == "interrupted" else "infeasible"
-        if r.get("beats_baseline"):
-            return "beats baseline"
-        return "below baseline" if "below the baseline" in (r["reason"] or "") else "within noise"
-
-    return [
-        ("", lambda r: "*" if r["trial"] == best else ""), ("trial", cell("trial")), ("setting", cell("setting")),
-        ("screened", lambda r: times(r.get("screened_ratio"))),
-        (objective, cell("objective", spec)), ("vs base", lambda r: times(r["speedup_vs_baseline"])),
-        ("val acc", cell("val_accuracy", ".2%")), ("drop pts", cell("accuracy_drop", "+.1f", scale=0.01)),
-        ("verdict", verdict), ("reason", lambda r: _short_reason(r["reason"])),
-    ]
-
-
-def _short_reason(reason: str) -> str:
-    """The table's reason: up to the interval detail (the trial's line and MLflow keep the whole text)."""
-    reason = reason or ""
-    return reason.split(": ", 1)[0] if "95% intervals" in reason else reason
-
-
-def search_table(rows: list[dict[str, Any]], objective: str, best: Optional[str] = None) -> str:
-    """Every setting, baseline first then by objective, with its screen, verdict and why; ``*`` marks the best."""
-    return format_table(rows, search_columns(objective, best))
-
-
-def write_best_config(cfg: Config, path: str | Path, header: list[str]) -> Path:
-    """Write ``cfg`` as YAML that ``load_config`` (and ``rayvit sweep --config``) reads back."""
-    from rayvit.config import load_config
-
-    path = Path(path).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"# {line}\n" for line in header) + cfg.to_yaml())
-    load_config(path)   # what we write must load
-    return path
-
-
-def _log_parent_results(run: StudyRun, report: SearchReport) -> None:
-    """On the parent run: the trials table (parquet + text), the accuracy-vs-throughput plot, the best config."""
-    best, base = report.best, report.baseline
-    s = run.study.search
-    run.tracker.log_metrics(report.parent_run_id, {
-        f"best_{s.objective}": best.verdict.objective,
-        "best_speedup_vs_baseline": speedup(best.verdict.objective, base.verdict.objective, report.mode),
-        "best_val_accuracy": best.result.metrics.get("val_accuracy"), "search_seconds": report.seconds}, step=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        table = Path(tmp) / "search_trials.txt"
-        table.write_text(search_table(report.rows, s.objective, best.point.key) + "\n")
-        files = [write_parquet(report.rows, Path(tmp) / "search_trials.parquet"), table]
-        files.append(plots.search_figure(
-            report.rows, Path(tmp) / "accuracy_vs_throughput.png", objective=s.objective,
-            baseline_accuracy=base.result.metrics["val_accuracy"], max_accuracy_drop=s.max_accuracy_drop,
-            best=best.point.key, title=f"{report.name}: accuracy against {s.objective}"))
-        best_copy = Path(tmp) / "best_config.yaml"
-        best_copy.write_text(report.best_config_path.read_text())
-        files.append(best_copy)
-        report.artifacts = run.finish(files, {
-            "best_trial": best.point.key, "best_setting": setting_label(best.point.setting),
-            "trials": len(report.outcomes), "feasible_trials": sum(o.verdict.feasible for o in report.outcomes),
-            "released_placement_groups": report.released_placement_groups}, failed=bool(report.failed))
-
-
-def print_summary(report: SearchReport, out: Callable[[str], None] = print) -> None:
-    """The table of every setting, the best one and its speedup, what the screen saved, where it all went."""
-    best, base = report.best, report.baseline
-    out("")
-    out(search_table(report.rows, report.objective, best.point.key))
-    gain = speedup(best.verdict.objective, base.verdict.objective, report.mode)
-    feasible = sum(o.verdict.feasible for o in report.outcomes)
-    trained = sum(o.status != "reused" for o in report.outcomes)
-    out(f"\n{len(report.outcomes)} trial(s) ({trained} trained now), {feasible} feasible, "
-        f"{len(report.not_trained)} not trained, in {report.seconds:.0f} s.")
-    if report.screen is not None:
-        sc = report.screen
-        out(f"The screen ({sc.seconds:.0f} s on {sc.device}) kept {len(report.not_trained)} of "
-            f"{len(sc.candidates)} settings from training: about {report.saved_seconds / 60:.1f} min of trials, "
-            f"{report.saved_device_hours:.3g} device-hours at {base.point.world_size} "
-            f"{'GPU' if base.point.cfg.parallel.use_gpu else 'worker'}(s) per trial.")
-    if best is base:
-        noisy = [o for o in report.outcomes if o.verdict.feasible and o.verdict.beats_baseline is False
-                 and (speedup(o.verdict.objective, base.verdict.objective, report.mode) or 0) > 1]
-        out("No trial beat the baseline beyond noise within the accuracy budget: the best config is the baseline's"
-            + (f" ({', '.join(f'{o.point.key} {speedup(o.verdict.objective, base.verdict.objective, report.mode):.2f}x' for o in noisy)}"
-               " within noise of it)." if noisy else "."))
-    else:
-        out(f"Best: {best.point.key} ({setting_label(best.point.setting)}), {fmt(gain, '.2f')}x the baseline's "
-            f"{report.objective}, beyond noise; {best.verdict.reason.split('; ', 1)[-1]}")
-    for o in report.failed:
-        out(f"ERROR {o.point.key} ({setting_label(o.point.setting)}): {last_line(o.error or '')}")
-    out(f"best config: {report.best_config_path}")
-    out(f"  run it:  rayvit sweep --config {report.best_config_path}")
-    print_where(report, out)
-
-
-__all__ = ["BaselineFailed", "SearchInterrupted", "SearchReport", "Verdict", "run_search", "print_summary",
-           "search_table", "write_best_config"]

@@ -16,22 +16,25 @@ driver (the output function, the MLflow record, the interrupt flag) is looked up
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import pickle
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ray import tune
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
-from rayvit.config import SearchConfig, from_dict
+from rayvit.config import Config, SearchConfig, from_dict
 from rayvit.results import RunResult
-from rayvit.studies.judge import accuracy_excess, is_divergence, judge, objective_value
-from rayvit.studies.plan import SearchPlan, setting_label
-from rayvit.studies.runner import Outcome
+from rayvit.studies.judge import accuracy_excess, is_divergence, judge, objective_value, speedup
+from rayvit.studies.plan import Point, SearchPlan, setting_label
+from rayvit.studies.runner import Outcome, Progress
 from rayvit.studies.screen import beats_reference
 
 # What a trial's final tune.report carries besides the figures.
@@ -327,3 +330,86 @@ def grid_outcomes(plan: SearchPlan, grid, live: dict[str, Any]) -> list[Outcome]
         live["finish"](o)
         outcomes.append(o)
     return outcomes
+
+
+# --------------------------------------------------------------------------------------------------
+# The tuner and its settings
+
+
+def tune_storage(cfg: Config) -> str:
+    """Where Tune keeps its experiments: beside Ray Train's runs (``launch.storage`` on clusters)."""
+    from rayvit.launch.storage import storage_path
+
+    base = storage_path(cfg)
+    return base.rstrip("/") + "_tune" if "://" in base else str(Path(base).parent / "tune_results")
+
+
+@contextlib.contextmanager
+def tune_environment():
+    """Tune's settings for the driver's ``fit()`` only, then restored as they were.
+
+    - Silent: rayvit prints each trial's lines itself. Ray 2.60's new Tune output engine prints its
+      "Configuration for experiment" box and a TensorBoard hint even at ``verbose=0`` (``tune.run`` calls
+      ``experiment_started`` whatever the verbosity); the legacy engine, chosen by Ray's documented
+      ``RAY_AIR_NEW_OUTPUT=0``, honours ``verbose=0``.
+    - ``TUNE_DISABLE_STRICT_METRIC_CHECKING``: the workers' intermediate reports carry loss, not the
+      objective (it exists only once the run is measured); Tune would otherwise reject them. Read at
+      each result, in this process.
+    """
+    wanted = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_STRICT_METRIC_CHECKING": "1"}
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class TrialProgress:
+    """The driver's live view of running trials: rank 0's step figures, labelled by trial, as lines."""
+
+    def __init__(self, plan: SearchPlan, out: Callable[[str], None]):
+        self.plan, self.progress, self.shown = plan, Progress(plan.num_trials, out), {}
+
+    def __call__(self, item: dict) -> None:
+        label = item.get("trial")
+        if label is None or item.get("kind", "step") != "step":
+            return
+        if label not in self.shown:
+            self.progress._printed = 0.0           # each trial's first step is always shown
+            point = Point(0, label, label, self.plan.base.parallel.num_workers, self.plan.base, {})
+            self.shown[label] = self.progress.live(point)
+        self.shown[label](item)
+
+
+def new_tuner(plan: SearchPlan, trainable, parallel: int, callbacks: list, name: str, cfg: Config,
+               entries: list[Entry], baseline: Outcome, reused: dict[str, Outcome]):
+    s = plan.study.search
+    if s.algorithm == "grid":
+        finished = {k: (speedup(o.verdict.objective, baseline.verdict.objective, plan.mode)
+                        if o.verdict.feasible else None) for k, o in reused.items()}
+        search_alg = ScreenedOrder(plan.study.search.name, entries, baseline.verdict.objective, plan.mode,
+                                          prune=s.screen and s.objective != "time_to_accuracy", finished=finished)
+        param_space, samples = {}, len(entries)
+    else:
+        param_space = {k: tune.choice(v) for k, v in plan.space.items()}
+        search_alg, samples = optuna_searcher(s, cfg.train.seed, plan.mode), s.num_samples
+    scheduler = None
+    if s.asha:
+        from ray.tune.schedulers import ASHAScheduler
+
+        # max_t above the last step: the budget's end is never a reason to stop a trial (that would cut
+        # off its final report); rungs fall at grace x factor^k steps.
+        grace = s.asha_grace_steps or max(1, cfg.train.steps // 4)
+        scheduler = ASHAScheduler(time_attr="step", metric="loss", mode="min", max_t=cfg.train.steps + 1,
+                                  grace_period=min(grace, cfg.train.steps), reduction_factor=s.asha_reduction_factor)
+    return tune.Tuner(
+        trainable, param_space=param_space,
+        tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=scheduler, num_samples=samples,
+                                    max_concurrent_trials=parallel, reuse_actors=False),
+        run_config=tune.RunConfig(name=name, storage_path=tune_storage(cfg), verbose=0, callbacks=callbacks,
+                                  stop=InterruptStop(plan.study.search.name)))
