@@ -73,7 +73,7 @@ def flat_decay_mask(wrapper: nn.Module, flat: nn.Parameter, plan: dict) -> torch
 class FairScaleFSDP(Strategy):
     name = "fairscale_fsdp"
     owns_mixed_precision = True
-    # model.compile is refused at config time (rayvit.config.COMPILE_UNSUPPORTED): FairScale's FSDP does not
+    # model.compile is refused at config time (rayvit.config_rules.COMPILE_UNSUPPORTED): FairScale's FSDP does not
     # support torch.compile.
 
     def __init__(self, *args, **kwargs) -> None:
