@@ -64,6 +64,8 @@ def run_once(root: Path, index: int, overrides: list[str]) -> tuple[float, list[
     import pyarrow.parquet as pq
     from mlflow import MlflowClient
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root}/mlflow.db", RAYVIT_HOME=str(root / "home"))
     cmd = [sys.executable, str(SCRIPT), "--name", f"repeat-{index + 1}"]
