@@ -101,7 +101,7 @@ def screen_config(cfg: Config) -> Config:
     """``cfg`` as the screen times it: one worker, synthetic data, every step counted by the screen."""
     return cfg.replace({"data.name": "synthetic", "parallel.num_workers": 1, "train.warmup_steps": 0,
                         "train.eval_every": 0, "train.checkpoint_every": 0, "train.fail_at_step": 0,
-                        "train.compile": False})
+                        "model.compile": False})
 
 
 def cpu_has_native_bf16() -> Optional[bool]:
