@@ -90,6 +90,9 @@ def run_once(root: Path, index: int, overrides: list[str]) -> tuple[float, list[
 
 
 def print_points(runs: list[dict]) -> None:
+    from rayvit.formats import fmt
+    from rayvit.studies.runner import with_interval
+
     points = list(dict.fromkeys(r["point"] for run in runs for r in run["rows"]))
     print(f"\n{'point':<18} {'run':>3}  {'img/s/chip (95% CI)':<24} {'vs DDP (95% CI)':<20} {'verdict':<20} "
           f"{'projected img/s':>15}")
@@ -99,8 +102,8 @@ def print_points(runs: list[dict]) -> None:
             if r is None or r["status"] not in ("done", "reused"):
                 print(f"{key:<18} {i + 1:>3}  {'(not measured)'}")
                 continue
-            print(f"{key:<18} {i + 1:>3}  {interval(r, 'images_per_sec_per_chip', '.1f'):<24} "
-                  f"{interval(r, 'speedup_vs_ddp', '.2f', 'x'):<20} {r.get('verdict') or '-':<20} "
+            print(f"{key:<18} {i + 1:>3}  {with_interval(r, 'images_per_sec_per_chip', '.1f'):<24} "
+                  f"{with_interval(r, 'speedup_vs_ddp', '.2f', 'x'):<20} {r.get('verdict') or '-':<20} "
                   f"{fmt(r.get('projected_images_per_sec_per_chip'), '.1f'):>15}")
 
 
@@ -135,18 +138,6 @@ def checks(runs: list[dict], args) -> list[str]:
     walls = [run["seconds"] for run in runs]
     print(f"  wall times: {', '.join(f'{w:.1f}' for w in walls)} s (median {median(walls):.1f} s)")
     return failures
-
-
-def interval(row: dict, key: str, spec: str, suffix: str = "") -> str:
-    value, lo, hi = row.get(key), row.get(f"{key}_lo"), row.get(f"{key}_hi")
-    if not isinstance(value, float):
-        return "-"
-    text = f"{value:{spec}}{suffix}"
-    return text + (f" ({lo:{spec}}-{hi:{spec}})" if isinstance(lo, float) and isinstance(hi, float) else "")
-
-
-def fmt(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
 def cpu_name() -> str:

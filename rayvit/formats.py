@@ -31,6 +31,14 @@ def times(value: Any) -> str:
     return fmt(value, ".2f", "x")
 
 
+def interval(value: Any, lo: Any, hi: Any, spec: str, suffix: str = "") -> str:
+    """``0.67x (0.61-0.72)``: a figure with its interval where both ends are numbers, else the figure alone."""
+    text = fmt(value, spec, suffix)
+    if number(lo) is not None and number(hi) is not None:
+        text += f" ({fmt(lo, spec)}-{fmt(hi, spec)})"
+    return text
+
+
 def clock(seconds: float) -> str:
     """``m:ss``, or ``h:mm:ss`` from an hour on."""
     seconds = int(round(seconds))

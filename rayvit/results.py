@@ -45,9 +45,8 @@ METRIC_KEYS = (
     "wall_time_s",                 # the whole loop on rank 0, warm-up and evaluation included (all rounds)
     "rounds",                      # how many rounds the medians and intervals are taken over
 )
-# Figures that carry a 95% interval over rounds and timed blocks as ``<key>_lo`` / ``<key>_hi``
-# (rayvit.stats); each figure itself is then the median over rounds.
-from rayvit.stats import INTERVAL_KEYS  # noqa: E402
+# The figures of rayvit.stats.INTERVAL_KEYS also carry a 95% interval over rounds and timed blocks as
+# ``<key>_lo`` / ``<key>_hi``; each such figure is then the median over rounds.
 
 IMAGENET_TRAIN_IMAGES = 1_281_167   # ImageNet-1K's training split, for epoch_time_imagenet_h
 
@@ -117,8 +116,9 @@ class RunResult:
 
         Throughput figures become the median over rounds with their 95% interval (``<key>_lo``,
         ``<key>_hi``; :mod:`rayvit.stats`); step-time percentiles are over every round's timed steps;
-        memory is the worst round's (per rank too); everything else (loss, accuracy, history, per-rank lists) is the
-        last round's, each round being the same training run from the same seed.
+        memory (and each rank's) and compile time are the worst round's; everything else (loss,
+        accuracy, history, the other per-rank lists) is the last round's, each round being the same
+        training run from the same seed.
         """
         from rayvit import stats
         from rayvit.worker.metrics import step_time_percentiles

@@ -61,7 +61,9 @@ class Estimate:
 
     def text(self, spec: str = ".2f", suffix: str = "") -> str:
         """``0.67x (0.61-0.72)`` for ``spec=".2f", suffix="x"``."""
-        return f"{self.median:{spec}}{suffix} ({self.lo:{spec}}-{self.hi:{spec}})"
+        from rayvit.formats import interval
+
+        return interval(self.median, self.lo, self.hi, spec, suffix)
 
 
 def cut(step_times: Sequence[float], size: int = BLOCK_STEPS) -> list[Block]:
@@ -198,9 +200,12 @@ def intervals(rounds: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any],
               conditions: Mapping[str, Any]) -> dict[str, float]:
     """``<key>``, ``<key>_lo``, ``<key>_hi`` for every :data:`INTERVAL_KEYS` figure, and ``rounds``."""
     blocks = rounds_blocks(rounds)
+    functions = functions_of(metrics, conditions)
     out: dict[str, float] = {}
-    for key, value in functions_of(metrics, conditions).items():
-        est = estimate(blocks, value)
+    for key in INTERVAL_KEYS:
+        if key not in functions:          # MFU without a peak to divide by
+            continue
+        est = estimate(blocks, functions[key])
         if est is not None:
             out.update(est.figures(key))
             out["rounds"] = float(est.rounds)

@@ -194,7 +194,7 @@ def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[Ru
     ``on_progress`` receives rank 0's figures (step, steps, loss, images/s per chip) about once a second.
     ``measure_links``: see :func:`build_trainer`.
     """
-    value = _run(cfg, [cfg], f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers", datasets=datasets,
+    value = _run([cfg], f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers", datasets=datasets,
                  run_config=run_config, on_progress=on_progress, measure_links=measure_links)
     return RunResult.from_dict(value)
 
@@ -225,8 +225,7 @@ def fit_group(cfgs: list[Config], rounds: int, *, datasets: Optional[dict] = Non
     sizes = {(c.parallel.num_workers, json.dumps(worker_bundle(c), sort_keys=True), c.parallel.use_gpu) for c in cfgs}
     if len(sizes) > 1:
         raise ValueError(f"one worker group serves configs of one worker count and resources; got {sorted(sizes)}")
-    first = cfgs[0]
-    value = _run(first, cfgs, f"the group of {len(cfgs)} run(s) at {first.parallel.num_workers} workers",
+    value = _run(cfgs, f"the group of {len(cfgs)} run(s) at {cfgs[0].parallel.num_workers} workers",
                  datasets=datasets, on_progress=on_progress, measure_links=measure_links, group=cfgs,
                  rounds=rounds)
     results: list[Optional[RunResult]] = []
@@ -239,16 +238,17 @@ def fit_group(cfgs: list[Config], rounds: int, *, datasets: Optional[dict] = Non
     return GroupResult(results, errors, value.get("links"))
 
 
-def _run(cfg: Config, cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
+def _run(cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
          run_config: Optional[RunConfig] = None, on_progress: Optional[Callable[[dict], None]] = None,
          measure_links: Optional[dict] = None, group: Optional[list[Config]] = None, rounds: int = 1) -> dict:
-    """Check, build and fit one trainer; rank 0's return value, or ``TrainingError``."""
+    """Check, build and fit one trainer for ``cfgs`` (the first sets the workers); rank 0's return value,
+    or ``TrainingError``."""
     ensure_ray()
     check_cluster_fits(cfgs)
     # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
     check_storage(cfgs, storage_given=run_config is not None and run_config.storage_path is not None)
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
-    trainer = build_trainer(cfg, datasets=datasets, run_config=run_config,
+    trainer = build_trainer(cfgs[0], datasets=datasets, run_config=run_config,
                             progress=channel.poster() if on_progress else None, measure_links=measure_links,
                             group=group, rounds=rounds)
     try:

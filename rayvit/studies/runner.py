@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from rayvit.config import Study
 from rayvit.record import tracking
-from rayvit.formats import clock, fmt
+from rayvit.formats import clock, fmt, interval
 from rayvit.results import RunResult
 from rayvit.studies.judge import Verdict, last_line
 from rayvit.studies.plan import Point
@@ -164,12 +164,8 @@ class Progress:
 
 
 def with_interval(figures: Mapping[str, Any], key: str, spec: str, suffix: str = "") -> str:
-    """``586.0 (560.2-601.3)``: a figure with its interval where it has one, else the figure alone."""
-    value, lo, hi = figures.get(key), figures.get(f"{key}_lo"), figures.get(f"{key}_hi")
-    text = fmt(value, spec) + (suffix if fmt(value, spec) != "-" else "")
-    if fmt(lo, spec) != "-" and fmt(hi, spec) != "-":
-        text += f" ({fmt(lo, spec)}-{fmt(hi, spec)})"
-    return text
+    """``586.0 (560.2-601.3)``: ``figures[key]`` with its interval where it has one, else the figure alone."""
+    return interval(figures.get(key), figures.get(f"{key}_lo"), figures.get(f"{key}_hi"), spec, suffix)
 
 
 class _GroupLive:
@@ -266,9 +262,7 @@ class StudyRun:
             try:
                 result = fit(point.cfg, on_progress=progress.live(point) if progress else None)
             except (KeyboardInterrupt, SystemExit) as e:
-                self.tracker.fail_point(run_id, f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)",
-                                        status="KILLED")
-                raise KeyboardInterrupt from e
+                self._killed([run_id], e)
             except (TrainingError, ClusterTooSmall) as e:   # ClusterTooSmall: nodes did not come up in time
                 return self._failed(point, run_id, str(e) or repr(e), start, e)
             except Exception as e:  # noqa: BLE001 - one broken point must not lose the rest of a long study
@@ -297,10 +291,7 @@ class StudyRun:
             try:
                 group = fit_group([p.cfg for p in points], rounds, on_progress=live)
             except (KeyboardInterrupt, SystemExit) as e:
-                for p in points:
-                    self.tracker.fail_point(run_ids[p.key], f"interrupted ({type(e).__name__}: Ctrl-C / SIGINT)",
-                                            status="KILLED")
-                raise KeyboardInterrupt from e
+                self._killed([run_ids[p.key] for p in points], e)
             except Exception as e:  # noqa: BLE001 - the group died: keep what finished, rerun the rest alone
                 error = str(e) if isinstance(e, (TrainingError, ClusterTooSmall)) else traceback.format_exc()
                 if len(points) == 1:
@@ -346,6 +337,13 @@ class StudyRun:
                 progress.begin_group([p], rounds, len(rest))
             outcomes[p.key] = self.run_group([p], rounds, fit_group, tags, progress, run_ids)[0]
         return [outcomes[p.key] for p in points]
+
+    def _killed(self, run_ids: list[str], interrupt: BaseException) -> None:
+        """Ctrl-C (or a SystemExit) while these points ran: mark them KILLED and raise KeyboardInterrupt."""
+        for run_id in run_ids:
+            self.tracker.fail_point(run_id, f"interrupted ({type(interrupt).__name__}: Ctrl-C / SIGINT)",
+                                    status="KILLED")
+        raise KeyboardInterrupt from interrupt
 
     def _done(self, point: Point, run_id: str, result: RunResult, seconds: float) -> Outcome:
         outcome = Outcome(point, "done", result, run_id=run_id, seconds=seconds)

@@ -276,9 +276,11 @@ def verdict(row: dict[str, Any], derived: str, reference: str) -> Optional[str]:
     lo, hi = number(row.get(f"{derived}_lo")), number(row.get(f"{derived}_hi"))
     if lo is None or hi is None:
         return None
-    if lo <= 1.0 <= hi:
-        return f"within noise of {reference}" if (lo, hi) != (1.0, 1.0) else reference
-    return f"{'faster' if lo > 1.0 else 'slower'} than {reference}"
+    if (lo, hi) == (1.0, 1.0):
+        return reference                          # the reference itself
+    side = stats.Estimate(row[derived], lo, hi, 0).verdict(1.0)
+    return {"within noise": f"within noise of {reference}", "above": f"faster than {reference}",
+            "below": f"slower than {reference}"}[side]
 
 
 def add_derived(rows: list[dict[str, Any]], mode: str) -> None:
