@@ -97,8 +97,9 @@ def worker_groups(points: list[Point], share_workers: bool = True) -> list[list[
     """The points that share one Ray Train worker group, in plan order of their first point.
 
     Points share when they ask for the same workers (count, resources, accelerator, placement) and read
-    the same data (a parquet source is read through Ray Data, set up once per group, at one image size). A point that checkpoints or
-    injects a fault runs alone: recovering a group from a checkpoint would retrain the others too.
+    the same data (a parquet source is read through Ray Data, set up once per group, at one image size).
+    A point that checkpoints or injects a fault runs alone: recovering a group from a checkpoint would
+    retrain the others too.
     """
     groups: dict[Any, list[Point]] = {}
     for p in points:
