@@ -26,6 +26,10 @@ import yaml
 from rayvit.config_build import ConfigError, _build
 
 
+# The strategy every figure is compared to (the study's baseline): DDP.
+BASELINE = "ddp"
+
+
 def reduces_in_half(cfg: "Config") -> bool:
     """Whether ``cfg``'s half-precision gradients are reduced in half (``parallel.reduce_dtype`` resolved)."""
     return _half_reduce(cfg.parallel, cfg.precision)
@@ -111,7 +115,8 @@ class OptimConfig:
 class ParallelConfig:
     """How workers share the model: DDP is the baseline every comparison is made against."""
 
-    strategy: Literal["ddp", "fsdp", "fairscale_oss", "fairscale_fsdp"] = "ddp"
+    # A strategy registered in rayvit.worker.strategies.STRATEGIES: ddp, fsdp, fairscale_oss, fairscale_fsdp.
+    strategy: str = BASELINE
     num_workers: int = 1
     use_gpu: bool = False
     cpus_per_worker: int = 1
@@ -185,7 +190,6 @@ class LaunchConfig:
 
 LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
                 "batch_second", "image_256", "full_half", "compile")
-STRATEGIES = ("ddp", "fsdp", "fairscale_oss", "fairscale_fsdp")
 
 
 @dataclass

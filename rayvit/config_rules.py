@@ -7,9 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rayvit.config import (LADDER_RUNGS, STRATEGIES, Config, ConfigError, _half_reduce, DataConfig, LaunchConfig, ModelConfig,
-                           OptimConfig, ParallelConfig, PrecisionConfig, SearchConfig, SweepConfig, TrainConfig)
+from rayvit.config import (BASELINE, LADDER_RUNGS, Config, ConfigError, DataConfig, LaunchConfig, ModelConfig,
+                           OptimConfig, ParallelConfig, SearchConfig, SweepConfig, TrainConfig)
 from rayvit.models.presets import ARCH_KEYS, MODEL_PRESETS
+# Each strategy says what it cannot run (Strategy.refuses, compile_unsupported, dtensor_params). Imported
+# here, at validation time: the strategies import rayvit.config.
+from rayvit.worker.optim import fused_unavailable
+from rayvit.worker.strategies import STRATEGIES
 
 
 def _resolved_model(m: ModelConfig) -> ModelConfig:
@@ -36,38 +40,6 @@ def _resolved_model(m: ModelConfig) -> ModelConfig:
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
-
-
-def _validate_strategy_precision(p: ParallelConfig, prec: PrecisionConfig) -> None:
-    """Strategy and precision combinations a library cannot run or cannot honour, refused up front."""
-    if p.strategy == "fairscale_oss" and prec.mode == "mixed":
-        raise ConfigError(
-            "precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
-            "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
-            "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
-    if p.strategy == "fairscale_fsdp" and prec.mode == "pure" and prec.dtype == "bf16":
-        raise ConfigError(
-            "precision.mode=pure precision.dtype=bf16 cannot run with parallel.strategy=fairscale_fsdp: "
-            "FairScale 0.4.13's FSDP accepts half parameters only as fp16 (pure bf16 does not exist in that "
-            "version); use precision.dtype=fp16, or parallel.strategy=fsdp (PyTorch FSDP2) for pure bf16")
-    if prec.mode == "pure" and not _half_reduce(p, prec) and p.strategy in ("fairscale_fsdp", "fairscale_oss"):
-        why = ("FairScale FSDP reduces in fp32 only with mixed_precision (fp32_reduce_scatter)"
-               if p.strategy == "fairscale_fsdp" else
-               "ShardedDDP reduces every gradient in its parameter's dtype")
-        raise ConfigError(
-            f"precision.mode=pure with parallel.strategy={p.strategy} cannot reduce its half gradients in "
-            f"fp32 (parallel.reduce_dtype=fp32): {why}; set parallel.reduce_dtype=half, or use "
-            "parallel.strategy=ddp or fsdp, which reduce in fp32")
-
-
-# Strategies whose library cannot run under torch.compile, and why (decided here, before any wrapping).
-COMPILE_UNSUPPORTED = {
-    "fairscale_fsdp": (
-        "FairScale's FullyShardedDataParallel (0.4.13, unmaintained since it was upstreamed into PyTorch) "
-        "does not support torch.compile: it predates it and swaps flattened-parameter views in and out of "
-        "the model around every forward and backward; use parallel.strategy=fsdp (PyTorch FSDP2, which "
-        "compiles each block), or model.compile=false for the study's FairScale FSDP"),
-}
 
 
 def validate(cfg: Config) -> None:
@@ -110,24 +82,21 @@ def _validate_optim(o: OptimConfig) -> None:
 
 def _validate_parallel(cfg: Config) -> None:
     p = cfg.parallel
+    _check(p.strategy in STRATEGIES,
+           f"parallel.strategy={p.strategy!r} is not allowed; choose one of: {', '.join(STRATEGIES)}")
+    strategy = STRATEGIES[p.strategy]
     _check(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be at least 1")
     _check(p.cpus_per_worker >= 1, f"parallel.cpus_per_worker={p.cpus_per_worker} must be at least 1")
-    if p.strategy == "fairscale_fsdp" and not p.use_gpu:
-        raise ConfigError(
-            "parallel.strategy=fairscale_fsdp needs CUDA GPUs (FairScale's FSDP uses CUDA streams and "
-            "fails on CPU); set parallel.use_gpu=true on a GPU cluster, or use parallel.strategy=fsdp "
-            "(PyTorch FSDP2), which runs on CPU too")
-    _validate_strategy_precision(p, cfg.precision)
+    why = strategy.refuses(cfg)
+    _check(why is None, str(why))
     if cfg.optim.impl == "fused":
-        # Decided here, before any model is built or wrapped: torch's fused kernels per device, and under
-        # FSDP2 whether DTensor has a rule for the fused op.
-        from rayvit.worker.optim import fused_unavailable
-
-        why = fused_unavailable(cfg.optim.name, p.strategy, "cuda" if p.use_gpu else "cpu")
+        # Decided here, before any model is built or wrapped: torch's fused kernels per device, and over
+        # DTensor parameters (FSDP2) whether DTensor has a rule for the fused op.
+        why = fused_unavailable(cfg.optim.name, strategy.dtensor_params, "cuda" if p.use_gpu else "cpu")
         _check(why is None, f"optim.impl=fused with optim.name={cfg.optim.name} and parallel.strategy="
                             f"{p.strategy}: {why}; use optim.impl=foreach")
     if cfg.model.compile:
-        why = COMPILE_UNSUPPORTED.get(p.strategy)
+        why = strategy.compile_unsupported
         _check(why is None, f"model.compile=true cannot run with parallel.strategy={p.strategy}: {why}")
         _check(cfg.train.warmup_steps >= 1,
                f"model.compile=true needs train.warmup_steps >= 1 (got {cfg.train.warmup_steps}): the first "
@@ -163,7 +132,8 @@ def _validate_launch(launch: LaunchConfig) -> None:
 def validate_sweep(s: SweepConfig) -> None:
     unknown = sorted(set(s.strategies) - set(STRATEGIES))
     _check(not unknown, f"sweep.strategies has unknown {unknown}; allowed: {', '.join(STRATEGIES)}")
-    _check("ddp" in s.strategies, "sweep.strategies must include ddp, the baseline every point is compared to")
+    _check(BASELINE in s.strategies,
+           f"sweep.strategies must include {BASELINE}, the baseline every point is compared to")
     _check(bool(s.worker_counts) and all(n >= 1 for n in s.worker_counts),
            f"sweep.worker_counts={s.worker_counts} must be a non-empty list of positive integers")
     unknown = sorted(set(s.rungs) - set(LADDER_RUNGS))

@@ -183,25 +183,28 @@ def check_layer_norm_fp32(device, strategy: str, dtype: str, steps: int = 4) -> 
 
 
 def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str, steps: int = 3) -> str:
-    """The dtype this strategy reduces half gradients in, seen where one rank can see it.
-
-    DDP: the dtypes its communication hook hands to ``all_reduce``. FSDP2: the dtype of the buffer it
-    reduce-scatters from (allocated in the reduce dtype even at one rank). FairScale FSDP sends nothing at
-    one rank: its ``fp32_reduce_scatter`` flags and the gradients' dtype are reported instead.
+    """The dtype this strategy reduces half gradients in, seen where it hands them over
+    (``Strategy.reduce_call``): DDP's communication hook calls ``all_reduce``; FSDP2 fills the buffer it
+    reduce-scatters from (allocated in the reduce dtype even at one rank). A strategy that reduces nothing
+    at one rank (FairScale FSDP) is checked on two GPUs.
     """
+    import importlib
+
     import torch
-    import torch.distributed as dist
 
     from rayvit.worker.hardware import dtype_name
+    from rayvit.worker.strategies import strategy_class
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     expected = torch.float32 if reduce == "fp32" else half
-    if strategy == "fairscale_fsdp":
+    call = strategy_class(strategy).reduce_call
+    if call is None:
         # At one rank FairScale reduces nothing and forces fp32_reduce_scatter: ->fp32 and ->half pass alike.
         if not (device.type == "cuda" and torch.cuda.device_count() >= 2):
-            raise NotCheckable("not checkable on one GPU: FairScale reduces nothing at one rank and forces "
-                               "fp32_reduce_scatter there; needs two GPUs")
-        ranks = on_two_ranks(_fairscale_reduce_dtypes, mode, dtype, reduce, steps, backend="nccl", devices=(0, 1))
+            raise NotCheckable(f"not checkable on one GPU: {strategy} reduces nothing at one rank (FairScale "
+                               "forces fp32_reduce_scatter there); needs two GPUs")
+        ranks = on_two_ranks(_reduce_scatter_dtypes, strategy, mode, dtype, reduce, steps, backend="nccl",
+                             devices=(0, 1))
         sent = set().union(*ranks)
         facts = f"2 ranks (NCCL), reduce-scattered in {_names(sent)}"
         # fp32 LayerNorm wrappers (mixed) always reduce their fp32 gradients in fp32 beside the half ones.
@@ -209,15 +212,12 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
             raise RuntimeError(f"expected {dtype_name(expected)}: {facts}")
         return facts
     sent: list = []
-    if strategy == "ddp":
-        module, name = dist, "all_reduce"
-    elif strategy == "fsdp":
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as module
-        name = "foreach_reduce_scatter_copy_in"
+    module_name, name, index = call         # where the strategy hands its gradients over (Strategy.reduce_call)
+    module = importlib.import_module(module_name)
     real = getattr(module, name)
 
     def spy(*args, **kwargs):
-        tensor = args[0] if strategy == "ddp" else args[1]
+        tensor = args[index]
         if tensor.numel() > 1:              # not the loss scaler's one-element overflow flag
             sent.append(tensor.dtype)
         return real(*args, **kwargs)
@@ -241,8 +241,9 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
     return facts
 
 
-def _fairscale_reduce_dtypes(device, mode: str, dtype: str, reduce: str, steps: int) -> set:
-    """On one of two ranks: the dtypes FairScale FSDP reduce-scatters gradients in over ``steps`` steps."""
+def _reduce_scatter_dtypes(device, strategy: str, mode: str, dtype: str, reduce: str, steps: int) -> set:
+    """On one of two ranks: the dtypes ``strategy`` (FairScale FSDP) reduce-scatters gradients in over
+    ``steps`` steps."""
     import torch
     import torch.distributed as dist
 
@@ -258,14 +259,14 @@ def _fairscale_reduce_dtypes(device, mode: str, dtype: str, reduce: str, steps: 
     for n in names:          # fairscale.internal.reduce_scatter_bucketer looks them up on torch.distributed
         setattr(dist, n, lambda *a, _n=n, **k: spy(*a, _name=_n, **k))
     try:
-        session, _ = _trained_session(device, {"parallel.strategy": "fairscale_fsdp", "precision.mode": mode,
+        session, _ = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
                                                "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
         session.close()
     finally:
         for n, fn in real.items():
             setattr(dist, n, fn)
     if not sent:
-        raise RuntimeError("FairScale reduce-scattered nothing at two ranks")
+        raise RuntimeError(f"{strategy} reduce-scattered nothing at two ranks")
     return sent
 
 

@@ -5,27 +5,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
-from rayvit.config import Config, ConfigError, Study, reduces_in_half
+from rayvit.config import BASELINE, Config, ConfigError, Study, reduces_in_half
 from rayvit.projection import report
 from rayvit.projection.performance import Projection, compute_from_peak, project_grid
 from rayvit.projection.profiles import get_profile
 from rayvit.projection.rates import load_rate
+from rayvit.worker.strategies import strategy_class
 
 STUDY_NOTE = ("Published (ViT-H/16, A100s): FSDP 1.83x DDP at 64 GPUs; the optimization stack 1.51x, 256 px "
               "1.86x, full FP16 2.18x, all against a DDP + AMP O1 baseline (see README: Projecting before you rent).")
 
 
 def variants(cfg: Config, strategies: list[str]) -> list[Config]:
-    """Every strategy of ``strategies`` as configured, plus FSDP with the other resharding setting."""
+    """Every strategy of ``strategies`` as configured, with the variants each adds (``Strategy.variants``:
+    FSDP with the other resharding setting)."""
     out = []
-    for strategy in dict.fromkeys(["ddp", *strategies]):
+    for strategy in dict.fromkeys([BASELINE, *strategies]):
         try:
             v = cfg.replace({"parallel.strategy": strategy})
         except ConfigError:
             continue          # e.g. fairscale_oss under precision.mode=mixed, fairscale_fsdp without GPUs
-        out.append(v)
-        if strategy == "fsdp":
-            out.append(v.replace({"parallel.reshard_after_forward": not v.parallel.reshard_after_forward}))
+        out += strategy_class(strategy).variants(v)
     return out
 
 

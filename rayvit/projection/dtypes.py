@@ -1,8 +1,10 @@
 """Bytes per element of each thing a precision level stores or sends, per strategy.
 
-Mirrors ``rayvit.worker.precision`` (and the strategy changes planned beside it, as parameters):
+Mirrors ``rayvit.worker.precision`` (and the strategy changes planned beside it, as parameters). A
+strategy that owns ``mixed`` itself (``Strategy.owns_mixed_precision``: FSDP2, FairScale FSDP) keeps fp32
+shards as the master copy and gathers half weights for compute:
 
-| level  | weights stored (replicated strategies) | sharded strategies (FSDP2, FairScale FSDP) | masters | compute |
+| level  | weights stored (replicated strategies) | strategies owning mixed precision (sharded) | masters | compute |
 | ------ | --------------------------------------- | ------------------------------------------- | ------- | ------- |
 | fp32   | fp32                                    | fp32                                        | no      | fp32    |
 | amp    | fp32                                    | fp32                                        | no      | half    |
@@ -21,26 +23,24 @@ from dataclasses import dataclass
 
 from rayvit.config import Config, reduces_in_half
 
-SHARDED = ("fsdp", "fairscale_fsdp")
 HALF, FULL = 2, 4
 
 
 @dataclass(frozen=True)
 class Dtypes:
     mode: str
-    strategy: str
+    sharded: bool           # the strategy owns mixed precision: fp32 shards are the master copy
     layer_norm_fp32: bool
     reduce_half: bool
 
     @classmethod
     def of(cls, cfg: Config, layer_norm_fp32: bool | None = None) -> "Dtypes":
-        ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
-        return cls(cfg.precision.mode, cfg.parallel.strategy, bool(ln) and cfg.precision.mode == "mixed",
-                   reduces_in_half(cfg))
+        # The strategies import this module (through rayvit.projection.costs): their registry, at call time.
+        from rayvit.worker.strategies import strategy_class
 
-    @property
-    def sharded(self) -> bool:
-        return self.strategy in SHARDED
+        ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
+        return cls(cfg.precision.mode, strategy_class(cfg.parallel.strategy).owns_mixed_precision,
+                   bool(ln) and cfg.precision.mode == "mixed", reduces_in_half(cfg))
 
     def stored(self, norm: bool) -> int:
         """Bytes per element of a parameter as this rank stores it (and of its gradient)."""

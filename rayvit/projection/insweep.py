@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rayvit.config import BASELINE
 from rayvit.formats import positive as _finite
 from rayvit.projection import performance
 from rayvit.projection.profiles import HardwareProfile, cpu_profile, profile_for_accelerator, with_measured_links
@@ -59,7 +60,7 @@ def compute_source(outcomes, profile: HardwareProfile) -> Optional[tuple[Any, pe
     if not done:
         return None
     smallest = min(o.point.world_size for o in done)
-    ref = next((o for o in done if o.point.world_size == smallest and o.point.cfg.parallel.strategy == "ddp"),
+    ref = next((o for o in done if o.point.world_size == smallest and o.point.cfg.parallel.strategy == BASELINE),
                next(o for o in done if o.point.world_size == smallest))
     rate = ref.result.metrics["images_per_sec_per_chip"]
     return ref, performance.compute_from_measured(ref.point.cfg, rate, profile, ref.point.key,

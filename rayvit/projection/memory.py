@@ -1,17 +1,7 @@
 """Bytes per rank: parameters, gradients, master copies, optimizer state, activations; fit and largest batch.
 
-Model state follows what each library does, tensor by tensor (``shapes.vit_tensors``):
-
-- ``ddp``: everything replicated.
-- ``fsdp`` (FSDP2 ``fully_shard``): each tensor split on dim 0 like ``torch.chunk``: rank r holds rows
-  [r*c, (r+1)*c) with c = ceil(d0/N); rank 0 holds the most (the storage is padded to c rows on every rank).
-- ``fairscale_oss`` (OSS + ShardedDDP): parameters replicated; OSS gives whole tensors to the rank with the
-  least so far (decayed group first, in parameter order); optimizer state only for owned tensors.
-  ShardedDDP's gradients: at N > 1 each destination rank's smallest tensors share a bucket of
-  min(2**23, model) elements whose gradient views every rank keeps; the other gradients are freed on
-  ranks that do not own them. At N = 1 every gradient stays.
-- ``fairscale_fsdp``: flattened per wrapped unit (or per tensor), padded to ceil(numel/N) on every rank.
-
+Model state follows what each library does, tensor by tensor (``shapes.vit_tensors``): each strategy says
+what a rank holds (``Strategy.rank_state``, written beside each in :mod:`rayvit.worker.strategies`).
 ``model_state`` returns the largest rank, as ``Session.summary`` reports (max over ranks).
 """
 
@@ -22,108 +12,19 @@ from typing import Optional
 
 from rayvit.models import vit_complexity
 from rayvit.config import Config
+from rayvit.projection.costs import Layout, StateBytes
 from rayvit.projection.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
-from rayvit.projection.shapes import Tensor, fsdp_units, optimizer_order, sequence_length, vit_tensors
-
-STEP_BYTES = 4                 # Adam's per-tensor `step` counter: a 0-d fp32 tensor
-SHARDED_DDP_BUCKET = 2 ** 23   # FairScale ShardedDDP reduce_buffer_size default (elements)
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    params: int
-    grads: int
-    masters: int          # fp32 master weights and their gradients (replicated strategies under `mixed`)
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.masters + self.optimizer
-
-
-# ------------------------------------------------------------------------------------------------
-# What each rank holds, per tensor
-
-
-def fsdp2_rows(d0: int, world: int, rank: int) -> int:
-    chunk = -(-d0 // world)
-    return max(0, min(chunk, d0 - rank * chunk))
-
-
-def fsdp2_local(t: Tensor, world: int, rank: int) -> int:
-    return fsdp2_rows(t.shape[0], world, rank) * (t.numel // t.shape[0])
-
-
-def oss_owner(tensors: list[Tensor], world: int) -> dict[str, int]:
-    """FairScale ``OSS.partition_parameters``: each tensor to the rank with the fewest elements so far."""
-    sizes, owner = [0] * world, {}
-    for t in optimizer_order(tensors):
-        rank = sizes.index(min(sizes))
-        owner[t.name] = rank
-        sizes[rank] += t.numel
-    return owner
-
-
-def sharded_ddp_bucketed(tensors: list[Tensor], owner: dict[str, int], world: int) -> set[str]:
-    """Tensors whose gradients live in ShardedDDP's per-destination buckets (kept on every rank)."""
-    if world == 1:
-        return set()
-    cap = min(SHARDED_DDP_BUCKET, sum(t.numel for t in tensors))
-    by_rank = [sorted((t for t in optimizer_order(tensors) if owner[t.name] == r), key=lambda t: t.numel)
-               for r in range(world)]
-    bucketed, fill = set(), [0] * world
-    for r, mine in enumerate(by_rank):
-        for t in mine:
-            if fill[r] + t.numel < cap:
-                fill[r] += t.numel
-                bucketed.add(t.name)
-    return bucketed
-
-
-def _optimizer_bytes(cfg: Config, local: int, state_dtype: int) -> int:
-    if cfg.optim.name == "sgd":
-        return local * state_dtype if cfg.optim.momentum else 0
-    return 2 * local * state_dtype + STEP_BYTES
-
-
-def _rank_state(cfg: Config, tensors: list[Tensor], dt: Dtypes, world: int, rank: int,
-                flatten: bool) -> StateBytes:
-    s = cfg.parallel.strategy
-    params = grads = masters = optim = 0
-    if s == "fairscale_fsdp" and flatten:
-        for unit in fsdp_units(tensors).values():
-            local = -(-sum(t.numel for t in unit) // world)
-            width = dt.stored(False)
-            params += local * width
-            grads += local * width
-            optim += _optimizer_bytes(cfg, local, dt.optimizer_state(False))
-        return StateBytes(params, grads, 0, optim)
-    owner = oss_owner(tensors, world) if s == "fairscale_oss" else {}
-    bucketed = sharded_ddp_bucketed(tensors, owner, world) if s == "fairscale_oss" else set()
-    for t in tensors:
-        width = dt.stored(t.norm)
-        local = {"fsdp": lambda: fsdp2_local(t, world, rank),
-                 "fairscale_fsdp": lambda: -(-t.numel // world)}.get(s, lambda: t.numel)()
-        params += local * width
-        owned = owner.get(t.name, rank) == rank
-        if s != "fairscale_oss" or owned or t.name in bucketed:
-            grads += local * width
-        if not owned:
-            continue
-        if dt.has_master(t.norm):
-            masters += 2 * local * FULL
-        optim += _optimizer_bytes(cfg, local, dt.optimizer_state(t.norm))
-    return StateBytes(params, grads, masters, optim)
+from rayvit.projection.shapes import sequence_length, vit_tensors
+from rayvit.worker.strategies import strategy_class
 
 
 def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
                 flatten: bool = True, per_rank: bool = False):
     """Model-state bytes of the largest rank (or every rank's, ``per_rank=True``) for ``cfg`` at ``world``."""
-    world = world or cfg.parallel.num_workers
-    dt = Dtypes.of(cfg, layer_norm_fp32)
-    tensors = vit_tensors(cfg.model)
-    ranks = [_rank_state(cfg, tensors, dt, world, r, flatten) for r in range(world)]
+    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten)
+    strategy = strategy_class(cfg.parallel.strategy)
+    ranks = [strategy.rank_state(layout, r) for r in range(layout.n)]
     return ranks if per_rank else max(ranks, key=lambda b: b.total)
 
 
@@ -171,25 +72,10 @@ def fixed_activation_bytes(cfg: Config) -> int:
 
 
 def transient_bytes(cfg: Config, world: int, *, layer_norm_fp32: Optional[bool] = None) -> int:
-    """Buffers that exist only during the step, beside model state and activations.
-
-    DDP: its gradient buckets (a second copy of every gradient, in the gradient dtype; at one rank too,
-    where the reducer still builds and all-reduces them). FSDP: gathered
-    units in the compute dtype (two at a time when resharding after forward; all of them from forward to
-    backward when not) plus one unit's unsharded gradient. OSS: nothing beyond its views.
-    """
-    dt = Dtypes.of(cfg, layer_norm_fp32)
-    tensors = vit_tensors(cfg.model)
-    s = cfg.parallel.strategy
-    if s == "ddp":
-        return sum(t.numel * dt.stored(t.norm) for t in tensors)
-    if s not in ("fsdp", "fairscale_fsdp"):
-        return 0
-    units = fsdp_units(tensors).values()
-    gathered = sorted((sum(t.numel * dt.gathered(t.norm) for t in u) for u in units), reverse=True)
-    largest = max(sum(t.numel for t in u) for u in units)
-    held = sum(gathered) if not cfg.parallel.reshard_after_forward else sum(gathered[:2])
-    return held + largest * dt.reduced()
+    """Buffers that exist only during the step, beside model state and activations (the strategy's:
+    DDP's gradient buckets, FSDP's gathered units; ``Strategy.transient_bytes``)."""
+    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32)
+    return strategy_class(cfg.parallel.strategy).transient_bytes(layout)
 
 
 @dataclass
@@ -241,4 +127,4 @@ def params_count(cfg: Config) -> int:
 
 
 __all__ = ["StateBytes", "MemoryBreakdown", "model_state", "memory", "activation_bytes_per_image",
-           "fixed_activation_bytes", "transient_bytes", "oss_owner", "sharded_ddp_bucketed", "fsdp2_local"]
+           "fixed_activation_bytes", "transient_bytes"]

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from rayvit.models import vit_complexity
-from rayvit.config import Config, ConfigError
+from rayvit.config import BASELINE, Config, ConfigError
 from rayvit.projection import comms, memory
+from rayvit.projection.costs import Layout
 from rayvit.projection.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
-from rayvit.projection.shapes import fsdp_units, vit_tensors
+from rayvit.worker.strategies import strategy_class
 
 FORWARD_SHARE = 1 / 3
 
@@ -56,7 +57,7 @@ class Projection:
     messages: int
     bytes_per_rank: float
     compute_source: str
-    reshard_after_forward: bool = True
+    label: str = ""          # the strategy's name in tables (``Strategy.label``)
     vs_ddp: Optional[float] = None
     scaling_efficiency: Optional[float] = None
     notes: list = field(default_factory=list)
@@ -65,12 +66,6 @@ class Projection:
     def dominant(self) -> str:
         terms = {"compute": self.compute_s, "communication": self.exposed_comm_s, "optimizer": self.optimizer_s}
         return max(terms, key=terms.get)
-
-    @property
-    def label(self) -> str:
-        if self.strategy in ("fsdp", "fairscale_fsdp") and not self.reshard_after_forward:
-            return f"{self.strategy} (no reshard)"
-        return self.strategy
 
     def metrics(self) -> dict[str, float]:
         """``projected_*`` figures as logged beside a measured point."""
@@ -114,19 +109,8 @@ def exposed_communication(messages: list[comms.Message], n: int, profile: Hardwa
 
 
 def optimizer_elements(cfg: Config, n: int) -> tuple[int, int]:
-    """(elements, tensors) the largest rank's optimizer steps."""
-    tensors, s = vit_tensors(cfg.model), cfg.parallel.strategy
-    if s == "fsdp":
-        return sum(memory.fsdp2_local(t, n, 0) for t in tensors), len(tensors)
-    if s == "fairscale_fsdp":
-        units = fsdp_units(tensors).values()
-        return sum(-(-sum(t.numel for t in u) // n) for u in units), len(units)
-    if s == "fairscale_oss":
-        owner = memory.oss_owner(tensors, n)
-        per_rank = [[t for t in tensors if owner[t.name] == r] for r in range(n)]
-        mine = max(per_rank, key=lambda ts: sum(t.numel for t in ts))
-        return sum(t.numel for t in mine), len(mine)
-    return sum(t.numel for t in tensors), len(tensors)
+    """(elements, tensors) the largest rank's optimizer steps (the strategy's ``optimizer_elements``)."""
+    return strategy_class(cfg.parallel.strategy).optimizer_elements(Layout.of(cfg, n))
 
 
 def optimizer_time(cfg: Config, n: int, profile: HardwareProfile, *,
@@ -205,7 +189,7 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
     return Projection(chips, cfg.parallel.strategy, batch, fb, comm_s, exposed, opt, step, ips, tflops,
                       tflops * 1e12 / peak if peak else None, mem, len(msgs),
                       comms.bytes_moved_per_rank(msgs, chips), compute.source,
-                      reshard_after_forward=cfg.parallel.reshard_after_forward)
+                      label=strategy_class(cfg.parallel.strategy).label(cfg))
 
 
 def project_grid(cfg: Config, chip_counts: list[int], variants: list[Config], profile: HardwareProfile,
@@ -224,7 +208,7 @@ def project_grid(cfg: Config, chip_counts: list[int], variants: list[Config], pr
 
 
 def add_ratios(points: list[Projection]) -> None:
-    ddp = {p.chips: p for p in points if p.strategy == "ddp"}
+    ddp = {p.chips: p for p in points if p.strategy == BASELINE}
     smallest = {}
     for p in sorted(points, key=lambda p: p.chips):
         smallest.setdefault(p.label, p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping
 
 from rayvit.formats import fmt as _f
 from rayvit.projection.performance import Projection
@@ -44,12 +44,6 @@ def memory_table(points: Iterable[Projection]) -> str:
     return "\n".join(lines)
 
 
-def _colour(label: str) -> Optional[str]:
-    from rayvit.record.plots import STRATEGY_COLOURS
-
-    return STRATEGY_COLOURS.get(label.split(" ")[0])
-
-
 def _series(points: Iterable[Projection]) -> dict[str, list[Projection]]:
     out: dict[str, list[Projection]] = {}
     for p in points:
@@ -70,11 +64,12 @@ def _chips_axis(axes, chips: list[int]) -> None:
 def projection_figure(points: list[Projection], path: str | os.PathLike, *, title: str,
                       caption_rows: list[Mapping] = ()) -> Path:
     """Projected per-chip TFLOPS against chips per strategy (dashed, hollow x where it would not fit)."""
-    from rayvit.record.plots import new_figure, save
+    from rayvit.record.plots import new_figure, save, strategy_colour
 
     figure, (top, bottom) = new_figure(2, height=3.4, sharex=True)
     for label, pts in _series(points).items():
-        style = dict(color=_colour(label), linestyle="-" if "no reshard" not in label else "--")
+        # A strategy's variant (FSDP without resharding) dashed, in its strategy's colour.
+        style = dict(color=strategy_colour(pts[0].strategy), linestyle="-" if label == pts[0].strategy else "--")
         top.plot([p.chips for p in pts], [p.tflops_per_chip for p in pts], marker="o", label=label, **style)
         oom = [p for p in pts if p.memory.fits is False]
         if oom:
@@ -94,12 +89,12 @@ def projection_figure(points: list[Projection], path: str | os.PathLike, *, titl
 def measured_vs_projected_figure(measured: list[Mapping], projected: list[Projection],
                                  path: str | os.PathLike, *, title: str) -> Path:
     """Measured per-chip TFLOPS (dots) over projected lines, per strategy; the 25%-short band shaded."""
-    from rayvit.record.plots import new_figure, save
+    from rayvit.record.plots import new_figure, save, strategy_colour
 
     figure, (axes,) = new_figure(1, height=4.2)
     for label, pts in _series(projected).items():
         xs, ys = [p.chips for p in pts], [p.tflops_per_chip for p in pts]
-        colour = _colour(label)
+        colour = strategy_colour(pts[0].strategy)
         axes.plot(xs, ys, linestyle="--", color=colour, label=f"{label} projected")
         axes.fill_between(xs, [0.75 * y for y in ys], ys, color=colour, alpha=0.08)
         mine = sorted((r for r in measured if r.get("strategy") == pts[0].strategy), key=lambda r: r["world_size"])

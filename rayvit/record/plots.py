@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: drivers run headless, on clusters and under `ray job submit`
 import matplotlib.pyplot as plt  # noqa: E402
 
+from rayvit.config import BASELINE  # noqa: E402
 from rayvit.formats import number as _finite  # noqa: E402
 
 Row = Mapping[str, Any]
@@ -27,9 +28,15 @@ _CAPTION = (
     ("strategy", "{}"), ("world_size", "{} chips"), ("accelerator", "{}"), ("data", "data: {}"),
     ("torch_version", "torch {}"), ("ray_version", "ray {}"), ("fairscale_version", "fairscale {}"),
 )
-# A stable colour per strategy across figures; DDP, the baseline, is always grey-black.
-STRATEGY_COLOURS = {"ddp": "#333333", "fsdp": "#1f77b4", "fairscale_oss": "#ff7f0e",
-                     "fairscale_fsdp": "#2ca02c"}
+
+
+def strategy_colour(name: str) -> Optional[str]:
+    """A strategy's colour in every figure and in the MLflow UI (``Strategy.colour``; DDP, the baseline,
+    grey-black); None for a series that is not a registered strategy (matplotlib's next colour)."""
+    from rayvit.worker.strategies import STRATEGIES  # torch comes with them: only once a figure is drawn
+
+    strategy = STRATEGIES.get(name)
+    return strategy.colour if strategy else None
 
 
 def conditions_caption(rows: Iterable[Row], omit: Sequence[str] = ()) -> str:
@@ -86,7 +93,7 @@ def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional
     for strategy in _series_order(rows):
         points = sorted((int(r["world_size"]), r) for r in rows if r["series"] == strategy)
         xs = [n for n, _ in points]
-        colour = STRATEGY_COLOURS.get(strategy)
+        colour = strategy_colour(strategy)
         top.errorbar(xs, [r["tflops_per_chip"] for _, r in points], yerr=_error_bars(points, "tflops_per_chip"),
                      marker="o", label=strategy, color=colour, capsize=3)
         speedups = [(n, r) for n, r in points if _finite(r.get("speedup_vs_ddp")) is not None]
@@ -95,7 +102,7 @@ def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional
                             yerr=_error_bars(speedups, "speedup_vs_ddp"), marker="o", label=strategy,
                             color=colour, capsize=3)
             for n, r in speedups:
-                if strategy != "ddp":
+                if strategy != BASELINE:
                     noise = " (noise)" if str(r.get("verdict") or "").startswith("within noise") else ""
                     bottom.annotate(f"{r['speedup_vs_ddp']:.2f}×{noise}", (n, r["speedup_vs_ddp"]),
                                     textcoords="offset points", xytext=(4, 4), fontsize=7, color=colour)
@@ -158,7 +165,7 @@ def _series_order(rows: Iterable[Row]) -> list[str]:
         if r["series"] not in seen:
             seen.append(r["series"])
     # DDP first so it is drawn beneath and listed first in the legend.
-    return sorted(seen, key=lambda s: (s != "ddp", seen.index(s)))
+    return sorted(seen, key=lambda s: (s != BASELINE, seen.index(s)))
 
 
 def search_figure(rows: Iterable[Row], path: str | os.PathLike, *, objective: str, baseline_accuracy: float,

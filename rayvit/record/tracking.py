@@ -398,9 +398,9 @@ class SweepTracker:
         for old in self._search(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and "
                                 f"tags.`{TAG_KIND}` = 'curve' and tags.series = {quote(series)}"):
             self.client.delete_run(old.info.run_id)
-        from rayvit.record.plots import STRATEGY_COLOURS  # the PNG's colour of each strategy, in the UI too
+        from rayvit.record.plots import strategy_colour  # the PNG's colour of each strategy, in the UI too
 
-        colour = {TAG_RUN_COLOUR: STRATEGY_COLOURS[series]} if series in STRATEGY_COLOURS else {}
+        colour = {TAG_RUN_COLOUR: strategy_colour(series)} if strategy_colour(series) is not None else {}
         run = self.client.create_run(
             self.experiment_id, run_name=f"{series} · {self.sweep}",
             tags={TAG_SWEEP_RUN: self.parent_id, TAG_SWEEP: self.sweep, TAG_KIND: "curve", "series": series,

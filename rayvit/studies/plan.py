@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from rayvit.config import LADDER_RUNGS, Config, ConfigError, Study
+from rayvit.config import BASELINE, LADDER_RUNGS, Config, ConfigError, Study
 from rayvit.launch.resources import resources_for
 
 # Settings that do not change what a point measures, so a rerun with them changed still reuses it:
@@ -83,7 +83,7 @@ def plan_scaling(study: Study) -> list[Point]:
     That order puts each point's references (DDP at its count, its own strategy at the smallest count)
     before it, so derived figures and curves fill in while the sweep runs.
     """
-    strategies = ["ddp"] + [s for s in dict.fromkeys(study.sweep.strategies) if s != "ddp"]
+    strategies = [BASELINE] + [s for s in dict.fromkeys(study.sweep.strategies) if s != BASELINE]
     points = []
     for n in sorted(set(study.sweep.worker_counts)):
         for strategy in strategies:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayvit import stats
-from rayvit.config import Study
+from rayvit.config import BASELINE, Study
 from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, number, write_parquet
 from rayvit.results import METRIC_KEYS
@@ -305,7 +305,7 @@ def add_derived(rows: list[dict[str, Any]], mode: str) -> None:
             _derive(row, base, "tflops_per_chip", "relative_throughput", paired=True)
             row["verdict"] = verdict(row, "relative_throughput", "the baseline")
         return
-    ddp = {r["world_size"]: r for r in rows if r["series"] == "ddp"}
+    ddp = {r["world_size"]: r for r in rows if r["series"] == BASELINE}
     smallest = min((r["world_size"] for r in rows), default=None)
     first = {r["series"]: r for r in rows if r["world_size"] == smallest}
     for row in rows:

@@ -72,18 +72,19 @@ def _dtensor_runs(op_name: str) -> bool:
     return any(op in getattr(propagator, table, {}) for table in tables)
 
 
-def fused_unavailable(name: str, strategy: str, device_type: str) -> Optional[str]:
-    """Why this torch cannot run ``optim.impl=fused`` for optimizer ``name`` under ``strategy`` on
-    ``device_type`` ('cpu', 'cuda'), or None when it can. Config validation asks, before anything is built.
+def fused_unavailable(name: str, dtensor: bool, device_type: str) -> Optional[str]:
+    """Why this torch cannot run ``optim.impl=fused`` for optimizer ``name`` on ``device_type`` ('cpu',
+    'cuda'), over DTensor parameters when ``dtensor``, or None when it can. Config validation asks, before
+    anything is built.
 
-    Fused kernels exist per device (``torch.utils._foreach_utils``); under FSDP2 the parameters are
-    DTensors, which need a sharding rule for the fused op (torch registers Adam's and AdamW's, not SGD's).
+    Fused kernels exist per device (``torch.utils._foreach_utils``); FSDP2's parameters are DTensors,
+    which need a sharding rule for the fused op (torch registers Adam's and AdamW's, not SGD's).
     """
     supported = _get_fused_kernels_supported_devices()
     if device_type not in supported:
         return (f"torch {torch.__version__} has no fused {name} kernels for {device_type} "
                 f"(it has them for {', '.join(supported)})")
-    if strategy == "fsdp" and not _dtensor_runs(_FUSED_OPS[name]):
+    if dtensor and not _dtensor_runs(_FUSED_OPS[name]):
         return (f"torch {torch.__version__} cannot run fused {name} on FSDP2's sharded (DTensor) parameters "
                 f"(no sharding rule for aten.{_FUSED_OPS[name]})")
     return None
@@ -95,9 +96,9 @@ def _impl_flags(impl: str, name: str, params: list[torch.Tensor]) -> dict:
     if impl == "foreach":
         return {"foreach": True}
     # Validation refused what torch cannot run; this only guards optimizers built outside a Config.
-    strategy = "fsdp" if any(type(p.data).__name__ == "DTensor" for p in params) else ""
+    dtensor = any(type(p.data).__name__ == "DTensor" for p in params)
     for device_type in sorted({p.device.type for p in params}):
-        why = fused_unavailable(name, strategy, device_type)
+        why = fused_unavailable(name, dtensor, device_type)
         if why:
             raise ConfigError(f"optim.impl=fused: {why}; use optim.impl=foreach")
     return {"fused": True}

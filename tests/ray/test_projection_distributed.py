@@ -15,6 +15,7 @@ import pytest
 from rayvit.config import load_config
 from rayvit.projection import memory
 from rayvit.projection.shapes import vit_tensors
+from rayvit.worker.strategies import fairscale_oss as oss
 
 from shared import reduce_dtype
 
@@ -44,13 +45,13 @@ def test_model_state_equals_the_built_strategies_at_world_size_2():
         cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                     reduce_dtype(strategy, mode)])
         if key.endswith("small_bucket"):
-            memory.SHARDED_DDP_BUCKET, saved = 5000, memory.SHARDED_DDP_BUCKET
+            oss.SHARDED_DDP_BUCKET, saved = 5000, oss.SHARDED_DDP_BUCKET
             try:
-                assert 0 < len(memory.sharded_ddp_bucketed(vit_tensors(cfg.model), memory.oss_owner(
+                assert 0 < len(oss.sharded_ddp_bucketed(vit_tensors(cfg.model), oss.oss_owner(
                     vit_tensors(cfg.model), 2), 2)) < len(vit_tensors(cfg.model))
                 assert memory.model_state(cfg, 2).total == value, key
             finally:
-                memory.SHARDED_DDP_BUCKET = saved
+                oss.SHARDED_DDP_BUCKET = saved
             continue
         assert memory.model_state(cfg, 2).total == value, key
 

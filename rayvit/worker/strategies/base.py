@@ -2,7 +2,11 @@
 
 A strategy decides how the model, its gradients and its optimizer state are spread over ranks. The
 worker loop (:mod:`rayvit.worker.loop`) calls one object through this interface and never asks which
-strategy it holds; adding a strategy is one module in this package and one registry line.
+strategy it holds. The class also answers, without torch, what the rest of rayvit asks about it: config
+validation (:meth:`Strategy.refuses`, ``compile_unsupported``), the projection's cost model (the
+collectives of a step, bytes per rank, optimizer elements, transient buffers; in the terms of
+:mod:`rayvit.projection.costs`), the figures' colour. Adding a strategy is one module in this package and
+one registry line.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from rayvit.worker import checkpoint
 from rayvit.worker.optim import build_optimizer, param_groups, weight_decay_plan
 from rayvit.worker.precision import MasterWeights, Precision
 
-from rayvit.config import reduces_in_half
+from rayvit.config import _half_reduce, reduces_in_half
+from rayvit.projection.costs import Layout, Message, StateBytes, tensor_state
 
 if TYPE_CHECKING:
     from rayvit.config import Config
@@ -43,6 +48,16 @@ def ensure_process_group(device: torch.device) -> bool:
     return True
 
 
+def pure_reduce_refusal(cfg: "Config", why: str) -> Optional[str]:
+    """The refusal of a library that cannot reduce ``pure``'s half gradients in fp32 (``why`` says why)."""
+    p, prec = cfg.parallel, cfg.precision
+    if prec.mode == "pure" and not _half_reduce(p, prec):
+        return (f"precision.mode=pure with parallel.strategy={p.strategy} cannot reduce its half gradients in "
+                f"fp32 (parallel.reduce_dtype=fp32): {why}; set parallel.reduce_dtype=half, or use "
+                "parallel.strategy=ddp or fsdp, which reduce in fp32")
+    return None
+
+
 class Strategy:
     """One parallel strategy for one worker: wrap, optimizer, gradient clearing and clipping, checkpoints.
 
@@ -59,6 +74,59 @@ class Strategy:
     # block's wrapper hooks stay outside its graph; identical blocks share one compiled graph); "wrapped":
     # the wrapped model is compiled whole, as DDP documents it.
     compile_mode: ClassVar[str] = "blocks"
+    # Why this strategy cannot run under ``model.compile`` (config validation refuses it), or None.
+    compile_unsupported: ClassVar[Optional[str]] = None
+    # Parameters are DTensors once wrapped (FSDP2): fused optimizers need DTensor rules for their ops.
+    dtensor_params: ClassVar[bool] = False
+    # Where ``rayvit gpu-check`` sees the dtype half gradients are reduced in at one rank: (module, function,
+    # index of the tensor sent among its positional arguments); None when the library reduces nothing at
+    # one rank (the check then needs two GPUs).
+    reduce_call: ClassVar[Optional[tuple[str, str, int]]] = None
+    # Its line's colour in every figure (None: matplotlib's next colour).
+    colour: ClassVar[Optional[str]] = None
+    # It honours ``parallel.reshard_after_forward`` (tables label the other setting "no reshard").
+    reshards: ClassVar[bool] = False
+
+    # -- what it allows and what it costs (no torch: config validation and the projection ask) --------
+
+    @classmethod
+    def refuses(cls, cfg: "Config") -> Optional[str]:
+        """Why this library cannot run ``cfg`` (a precision or device it cannot honour), or None. Config
+        validation raises it as is, so it names the keys and the way out."""
+        return None
+
+    @classmethod
+    def variants(cls, cfg: "Config") -> list["Config"]:
+        """The settings of this strategy a projection table shows beside ``cfg`` (``cfg`` first)."""
+        return [cfg]
+
+    @classmethod
+    def label(cls, cfg: "Config") -> str:
+        """How tables and figures name this strategy under ``cfg``."""
+        if cls.reshards and not cfg.parallel.reshard_after_forward:
+            return f"{cls.name} (no reshard)"
+        return cls.name
+
+    @classmethod
+    def step_messages(cls, layout: Layout) -> list[Message]:
+        """Every collective one rank takes part in during one step, in issue order."""
+        raise NotImplementedError(f"strategy {cls.name} does not describe its collectives (step_messages): "
+                                  "the projection cannot cost it")
+
+    @classmethod
+    def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
+        """Bytes of parameters, gradients, masters and optimizer state ``rank`` holds. Replicated: all."""
+        return tensor_state(layout, rank)
+
+    @classmethod
+    def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
+        """(elements, tensors) the busiest rank's optimizer steps. Replicated: every one."""
+        return sum(t.numel for t in layout.tensors), len(layout.tensors)
+
+    @classmethod
+    def transient_bytes(cls, layout: Layout) -> int:
+        """Buffers that exist only during the step, beside model state and activations."""
+        return 0
 
     def __init__(self, cfg: "Config", precision: Precision, device: torch.device) -> None:
         self.cfg = cfg

@@ -20,6 +20,13 @@ tensors that do not (biases, position embedding), and its shard is a 1-D slice o
 own decay is set to 0 for flat parameters and :class:`MaskedWeightDecay` applies the exact decay of
 the configured optimizer element-wise, from the decision made on the unwrapped model, before each step.
 (pycls grouped by parameter name, so its flat parameters decayed entirely, biases included.)
+
+Cost model: flattened per wrapped unit (or per tensor, unflattened), padded to ceil(numel/N) on every rank.
+The same collectives per flat unit as FSDP2's groups, except that the root never gathers again for
+backward (``disable_reshard_on_root``); under ``mixed`` with fp32 LayerNorm every LayerNorm is a wrapper
+of its own with unflattened parameters (one fp32 all-gather per parameter, kept until after backward).
+Gradients go through FairScale's shared reduce-scatter bucketer (25 MiB per dtype): a gradient larger
+than that goes at once, smaller ones wait in the bucket until it is full or backward ends.
 """
 
 from __future__ import annotations
@@ -29,8 +36,14 @@ import os
 import torch
 from torch import nn
 
+from rayvit.config import Config
+from rayvit.projection.costs import (Layout, Message, ShardGroup, StateBytes, optimizer_bytes, sharded_messages,
+                                     sharded_transient, tensor_state)
+from rayvit.projection.shapes import ROOT_UNIT, fsdp_units
 from rayvit.worker.optim import build_optimizer, owned_parameters
-from rayvit.worker.strategies.base import Strategy, rank, world_size
+from rayvit.worker.strategies.base import Strategy, pure_reduce_refusal, rank, world_size
+
+FAIRSCALE_BUCKET = 25 * 2 ** 20    # FullyShardedDataParallel(bucket_cap_mb=25), the root's, shared by all
 
 
 class MaskedWeightDecay:
@@ -70,11 +83,103 @@ def flat_decay_mask(wrapper: nn.Module, flat: nn.Parameter, plan: dict) -> torch
     return full > 0.5
 
 
+def groups(layout: Layout) -> list[ShardGroup]:
+    """FairScale FSDP's instances in forward order (:meth:`FairScaleFSDP.wrap`): a flat unit per block and
+    the root (which never reshards), and under fp32 LayerNorm a wrapper per LayerNorm."""
+    again = layout.cfg.parallel.reshard_after_forward
+    out = []
+    for name, unit in fsdp_units(list(layout.tensors)).items():
+        wrapped = [t for t in unit if t.norm] if layout.dt.layer_norm_fp32 else []
+        out.append(ShardGroup(name, [t for t in unit if t not in wrapped], True, again and name != ROOT_UNIT))
+        for i in range(0, len(wrapped), 2):             # weight and bias of one LayerNorm
+            out.append(ShardGroup(f"{wrapped[i].name.rsplit('.', 1)[0]}", wrapped[i:i + 2], False, False,
+                                  per_tensor=True))
+    root = [g for g in out if g.name == "norm"]     # the final LayerNorm runs after the blocks
+    return [g for g in out if g not in root] + root
+
+
+def bucketer(backward: list[Message], n: int) -> list[Message]:
+    """FairScale's ReduceScatterBucketer (fairscale/internal/reduce_scatter_bucketer.py): a gradient whose
+    shard exceeds the bucket's goes at once; smaller ones queue in their dtype's bucket, which is sent when
+    the next one does not fit, and when backward ends (the root's flush)."""
+    out: list[Message] = []
+    queued: dict[int, list] = {}           # bytes per element -> [shard elements queued, what]
+    for m in backward:
+        if m.kind != "reduce_scatter":
+            out.append(m)
+            continue
+        width = m.element_bytes
+        shard, capacity = m.bytes // width // n, FAIRSCALE_BUCKET // width // n
+        if shard > capacity:
+            out.append(m)
+            continue
+        bucket = queued.setdefault(width, [0, []])
+        if shard > capacity - bucket[0]:
+            out.append(_bucket(bucket, n, width, "backward"))
+            bucket[:] = [0, []]
+        bucket[0] += shard
+        bucket[1].append(m.what)
+    return out + [_bucket(bucket, n, width, "after") for width, bucket in queued.items() if bucket[0]]
+
+
+def _bucket(bucket: list, n: int, width: int, phase: str) -> Message:
+    return Message("reduce_scatter", bucket[0] * n * width, phase, "bucket: " + ", ".join(bucket[1]), width)
+
+
 class FairScaleFSDP(Strategy):
     name = "fairscale_fsdp"
     owns_mixed_precision = True
-    # model.compile is refused at config time (rayvit.config_rules.COMPILE_UNSUPPORTED): FairScale's FSDP does not
-    # support torch.compile.
+    reshards = True
+    colour = "#2ca02c"
+    compile_unsupported = (
+        "FairScale's FullyShardedDataParallel (0.4.13, unmaintained since it was upstreamed into PyTorch) "
+        "does not support torch.compile: it predates it and swaps flattened-parameter views in and out of "
+        "the model around every forward and backward; use parallel.strategy=fsdp (PyTorch FSDP2, which "
+        "compiles each block), or model.compile=false for the study's FairScale FSDP")
+
+    @classmethod
+    def refuses(cls, cfg: Config) -> str | None:
+        prec = cfg.precision
+        if not cfg.parallel.use_gpu:
+            return ("parallel.strategy=fairscale_fsdp needs CUDA GPUs (FairScale's FSDP uses CUDA streams and "
+                    "fails on CPU); set parallel.use_gpu=true on a GPU cluster, or use parallel.strategy=fsdp "
+                    "(PyTorch FSDP2), which runs on CPU too")
+        if prec.mode == "pure" and prec.dtype == "bf16":
+            return ("precision.mode=pure precision.dtype=bf16 cannot run with parallel.strategy=fairscale_fsdp: "
+                    "FairScale 0.4.13's FSDP accepts half parameters only as fp16 (pure bf16 does not exist in "
+                    "that version); use precision.dtype=fp16, or parallel.strategy=fsdp (PyTorch FSDP2) for "
+                    "pure bf16")
+        return pure_reduce_refusal(cfg, "FairScale FSDP reduces in fp32 only with mixed_precision "
+                                        "(fp32_reduce_scatter)")
+
+    @classmethod
+    def step_messages(cls, layout: Layout) -> list[Message]:
+        if layout.n <= 1:
+            return []
+        forward, backward = sharded_messages(groups(layout), layout.dt, layout.n)
+        return forward + bucketer(backward, layout.n)
+
+    @classmethod
+    def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
+        n = layout.n
+        if not layout.flatten:
+            return tensor_state(layout, rank, local=lambda t: -(-t.numel // n))
+        params = optim = 0
+        width = layout.dt.stored(False)
+        for unit in fsdp_units(list(layout.tensors)).values():
+            local = -(-sum(t.numel for t in unit) // n)
+            params += local * width
+            optim += optimizer_bytes(layout.cfg, local, layout.dt.optimizer_state(False))
+        return StateBytes(params, params, 0, optim)
+
+    @classmethod
+    def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
+        units = fsdp_units(list(layout.tensors)).values()
+        return sum(-(-sum(t.numel for t in u) // layout.n) for u in units), len(units)
+
+    @classmethod
+    def transient_bytes(cls, layout: Layout) -> int:
+        return sharded_transient(layout, fsdp_units(list(layout.tensors)).values())
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -8,6 +8,14 @@ Reduce dtype: ShardedDDP reduces every gradient in its parameter's dtype (its bu
 ``param.grad``, :440). Its only option, ``reduce_fp16``, down-casts fp32 gradients to fp16 and is switched
 off whenever buckets are used (:117-121). So fp32 gradients (fp32, amp) go in fp32, half gradients
 (``pure``) in half, and ``pure`` with ``parallel.reduce_dtype=fp32`` is refused at config load.
+
+Cost model: parameters replicated; OSS gives whole tensors to the rank with the least so far (decayed
+group first, in parameter order); optimizer state only for owned tensors. ShardedDDP's gradients: at
+N > 1 each destination rank's smallest tensors share a bucket of min(2**23, model) elements whose gradient
+views every rank keeps; the other gradients are freed on ranks that do not own them (at N = 1 every
+gradient stays). Per step, ShardedDDP reduces each destination rank's bucket (and each tensor beyond it;
+every tensor at N = 1), then OSS broadcasts each rank's updated partition: about P x (reduce bytes +
+weight bytes) through the busiest rank.
 """
 
 from __future__ import annotations
@@ -17,12 +25,77 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rayvit.config import Config
+from rayvit.projection.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
+                                     partition_broadcasts, tensor_state)
+from rayvit.projection.shapes import Tensor, optimizer_order
 from rayvit.worker.optim import optimizer_spec, param_groups, weight_decay_plan
-from rayvit.worker.strategies.base import Strategy
+from rayvit.worker.strategies.base import Strategy, pure_reduce_refusal
+
+SHARDED_DDP_BUCKET = 2 ** 23   # FairScale ShardedDDP reduce_buffer_size default (elements)
+
+
+def oss_owner(tensors: list[Tensor], world: int) -> dict[str, int]:
+    """FairScale ``OSS.partition_parameters``: each tensor, in the optimizer's order, to the rank with the
+    fewest elements so far."""
+    return greedy_partition(optimizer_order(tensors), world)
+
+
+def sharded_ddp_bucketed(tensors: list[Tensor], owner: dict[str, int], world: int) -> set[str]:
+    """Tensors whose gradients live in ShardedDDP's per-destination buckets (kept on every rank)."""
+    if world == 1:
+        return set()
+    cap = min(SHARDED_DDP_BUCKET, sum(t.numel for t in tensors))
+    by_rank = [sorted((t for t in optimizer_order(tensors) if owner[t.name] == r), key=lambda t: t.numel)
+               for r in range(world)]
+    bucketed, fill = set(), [0] * world
+    for r, mine in enumerate(by_rank):
+        for t in mine:
+            if fill[r] + t.numel < cap:
+                fill[r] += t.numel
+                bucketed.add(t.name)
+    return bucketed
 
 
 class FairScaleOSS(Strategy):
     name = "fairscale_oss"
+    colour = "#ff7f0e"
+
+    @classmethod
+    def refuses(cls, cfg: Config) -> str | None:
+        if cfg.precision.mode == "mixed":
+            return ("precision.mode=mixed cannot combine with parallel.strategy=fairscale_oss: OSS shards the "
+                    "optimizer over the model's own (half) parameters, leaving no place for an fp32 master copy; "
+                    "use precision.mode=amp or pure with fairscale_oss, or parallel.strategy=fsdp with mixed")
+        return pure_reduce_refusal(cfg, "ShardedDDP reduces every gradient in its parameter's dtype")
+
+    @classmethod
+    def step_messages(cls, layout: Layout) -> list[Message]:
+        tensors, n = list(layout.tensors), layout.n
+        owner = oss_owner(tensors, n)
+        bucketed = sharded_ddp_bucketed(tensors, owner, n)
+        width = layout.dt.reduced()
+        out = []
+        for r in range(n):
+            mine = [t for t in optimizer_order(tensors) if owner[t.name] == r]
+            inside = sum(t.numel for t in mine if t.name in bucketed)
+            if inside:
+                out.append(Message("reduce", inside * width, "backward", f"bucket to rank {r}"))
+            out += [Message("reduce", t.numel * width, "backward", f"{t.name} to rank {r}")
+                    for t in mine if t.name not in bucketed]
+        return out + partition_broadcasts(layout, owner)
+
+    @classmethod
+    def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
+        tensors = list(layout.tensors)
+        owner = oss_owner(tensors, layout.n)
+        bucketed = sharded_ddp_bucketed(tensors, owner, layout.n)
+        return tensor_state(layout, rank, owned=lambda t: owner[t.name] == rank,
+                            keeps_grad=lambda t: owner[t.name] == rank or t.name in bucketed)
+
+    @classmethod
+    def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
+        return busiest_owner(layout, oss_owner(list(layout.tensors), layout.n))
 
     def parallelize(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
         from fairscale.nn.data_parallel import ShardedDataParallel

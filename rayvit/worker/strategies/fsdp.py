@@ -8,6 +8,14 @@ rank holding its shard. FairScale's FSDP was upstreamed into this; it runs on CP
 ``apply_fsdp``), so ``fully_shard`` puts its all-gather and reduce-scatter hooks on the compiled module,
 outside the graph (FSDP2's hooks are ``torch._dynamo.disable``d). LayerNorm kept in fp32 puts the norm
 groups' hooks inside each block: dynamo then splits the block's graph at them, and the rest still fuses.
+
+Cost model: each tensor split on dim 0 like ``torch.chunk`` (rank r holds rows [r*c, (r+1)*c) with
+c = ceil(d0/N); rank 0 holds the most, and the storage is padded to c rows on every rank). Per parameter
+group (each block, and the root: stem, tokens, head; under ``mixed`` with fp32 LayerNorm also each block's
+two norms as one group, and the final norm) one all-gather before forward, one more before backward when
+``reshard_after_forward`` (the root's too: rayvit sets the flag explicitly, which turns off FSDP2's
+keep-the-root heuristic), one reduce-scatter after backward. Moves (N-1)/N x P x (gather bytes x (1 or
+2) + reduce bytes).
 """
 
 from __future__ import annotations
@@ -17,14 +25,63 @@ import os
 import torch
 from torch import nn
 
+from rayvit.config import Config
+from rayvit.projection.costs import (Layout, Message, ShardGroup, StateBytes, chunk_local, sharded_messages,
+                                     sharded_transient, tensor_state)
+from rayvit.projection.shapes import ROOT_UNIT, fsdp_units
 from rayvit.worker.strategies.base import Strategy, world_size
 
 SHARDED_DIR = "sharded"
 
 
+def groups(layout: Layout) -> list[ShardGroup]:
+    """FSDP2's parameter groups in forward order, as :meth:`FSDP.wrap` makes them."""
+    again = layout.cfg.parallel.reshard_after_forward
+    out = []
+    for name, unit in fsdp_units(list(layout.tensors)).items():
+        if layout.dt.layer_norm_fp32:
+            out.append(ShardGroup(name, [t for t in unit if not t.norm], False, again))
+            norms = [t for t in unit if t.norm]
+            if norms:      # both norms of a block, one group; the root's final norm, after the blocks
+                out.append(ShardGroup(f"{name} norms", norms, False, again))
+        else:
+            out.append(ShardGroup(name, unit, False, again))
+    root_norm = [g for g in out if g.name == f"{ROOT_UNIT} norms"]
+    return [g for g in out if g not in root_norm] + root_norm
+
+
 class FSDP(Strategy):
     name = "fsdp"
     owns_mixed_precision = True
+    dtensor_params = True
+    reshards = True
+    colour = "#1f77b4"
+    # FSDP2 allocates its reduce-scatter input in the reduce dtype, at one rank too.
+    reduce_call = ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce_scatter_copy_in", 1)
+
+    @classmethod
+    def variants(cls, cfg: Config) -> list[Config]:
+        """FSDP as configured, and with the other resharding setting (ZeRO-3-like against ZeRO-2-like)."""
+        return [cfg, cfg.replace({"parallel.reshard_after_forward": not cfg.parallel.reshard_after_forward})]
+
+    @classmethod
+    def step_messages(cls, layout: Layout) -> list[Message]:
+        if layout.n <= 1:
+            return []
+        forward, backward = sharded_messages(groups(layout), layout.dt, layout.n)
+        return forward + backward
+
+    @classmethod
+    def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
+        return tensor_state(layout, rank, local=lambda t: chunk_local(t, layout.n, rank))
+
+    @classmethod
+    def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
+        return sum(chunk_local(t, layout.n, 0) for t in layout.tensors), len(layout.tensors)
+
+    @classmethod
+    def transient_bytes(cls, layout: Layout) -> int:
+        return sharded_transient(layout, fsdp_units(list(layout.tensors)).values())
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
