@@ -7,9 +7,13 @@ images and parquet, and the ViT-B/16 and strategy-by-precision combinations the 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from rayvit.config import from_dict, load_config
 from rayvit.data import Data
@@ -125,3 +129,40 @@ def reduce_dtype(strategy: str, mode: str) -> str:
 def vit_b16(**overrides):
     cfg = from_dict({"model": {"name": "vit_b16", "image_size": 224, "num_classes": 1000}})
     return cfg.replace(overrides) if overrides else cfg
+
+
+# -- two gloo ranks in spawned processes, and what they send ---------------------------------------
+
+
+def _entry(rank: int, folder: str, fn, args: tuple) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    try:
+        torch.save(fn(rank, *args), f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def two_ranks(tmp_path, fn, *args) -> list:
+    """Run ``fn(rank, *args)`` on two gloo ranks (spawned processes, no Ray); their return values, rank 0
+    first. ``fn`` must be importable by name (a module-level function)."""
+    mp.spawn(_entry, args=(str(tmp_path), fn, args), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@contextmanager
+def spied(record: Callable[[str, tuple, dict], None], *names: str, module=dist):
+    """While inside: each function ``names`` of ``module`` (torch.distributed) first calls
+    ``record(name, args, kwargs)``, then does its work."""
+    real = {name: getattr(module, name) for name in names}
+
+    def spy(*args, _name, **kwargs):
+        record(_name, args, kwargs)
+        return real[_name](*args, **kwargs)
+
+    for name in names:
+        setattr(module, name, lambda *a, _n=name, **k: spy(*a, _name=_n, **k))
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(module, name, fn)

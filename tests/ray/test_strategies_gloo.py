@@ -12,26 +12,12 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rayvit.config import load_config
 
+from shared import spied, two_ranks
+
 TINY = ["train.batch_size=4", "model.depth=2"]
-
-
-def _entry(rank: int, folder: str, fn, args: tuple) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
-    try:
-        torch.save(fn(rank, *args), f"{folder}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _two_ranks(tmp_path, fn, *args) -> list:
-    """Run ``fn(rank, *args)`` on two gloo ranks; their return values, rank 0 first."""
-    mp.spawn(_entry, args=(str(tmp_path), fn, args), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 # -- reduce dtypes on the wire ------------------------------------------------------------------------
@@ -48,27 +34,24 @@ def _wire_dtypes(rank: int) -> dict:
     seen: dict = {}
     for strategy, mode, reduce in WIRE_CASES:
         name = "all_reduce" if strategy == "ddp" else "reduce_scatter_single"
-        real, sent = getattr(dist, name), []
+        sent: list = []
 
-        def spy(*args, _real=real, _sent=sent, **kwargs):
-            tensor = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
-            _sent.append(tensor.dtype)
-            return _real(*args, **kwargs)
+        def record(_name, args, kwargs, _sent=sent):
+            _sent.append((args[0] if args else kwargs.get("input", kwargs.get("tensor"))).dtype)
 
         session = Session(load_config(overrides=TINY + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                                         f"parallel.reduce_dtype={reduce}"]))
-        setattr(dist, name, spy)
         try:
-            session.train_step()
+            with spied(record, name):
+                session.train_step()
         finally:
-            setattr(dist, name, real)
             session.close()
         seen[(strategy, mode, reduce)] = set(sent)
     return seen
 
 
 def test_half_gradients_travel_in_the_reduce_dtype(tmp_path):
-    seen, _ = _two_ranks(tmp_path, _wire_dtypes)
+    seen, _ = two_ranks(tmp_path, _wire_dtypes)
     fp32, bf16 = torch.float32, torch.bfloat16
     # mixed keeps LayerNorm fp32: DDP sends its fp32 bucket as fp32; FSDP2 reduces its fp32 norm groups too.
     assert seen[("ddp", "mixed", "fp32")] == {fp32}
@@ -100,7 +83,7 @@ def _step_times_after_a_slow_report(rank: int, align: bool) -> list[float]:
 
 @pytest.mark.parametrize("align", [True, False])
 def test_the_step_after_a_report_does_not_absorb_another_ranks_wait(tmp_path, align):
-    times, _ = _two_ranks(tmp_path, _step_times_after_a_slow_report, align)
+    times, _ = two_ranks(tmp_path, _step_times_after_a_slow_report, align)
     if align:
         assert times[2] < 0.5, times
     else:
@@ -140,7 +123,7 @@ def _max_difference(a: dict, b: dict) -> float:
 
 
 def test_oss_clips_by_the_global_norm_like_ddp(tmp_path):
-    for run in _two_ranks(tmp_path, _clipped_runs):
+    for run in two_ranks(tmp_path, _clipped_runs):
         ddp, oss, plain = run["ddp"], run["oss"], run["oss_plain_clip"]
         assert oss["norms"] == pytest.approx(ddp["norms"], rel=1e-6)
         # Adam amplifies a last-digit difference in the norm for gradients near its eps: 2e-5 seen here.
@@ -177,7 +160,7 @@ def _fairscale_shards_after_a_step(rank: int, optim: str) -> list[tuple[torch.Te
 
 @pytest.mark.parametrize("optim", ["adamw", "adam"])
 def test_fairscale_sharded_flat_parameters_decay_like_the_unwrapped_model(tmp_path, optim):
-    for shards in _two_ranks(tmp_path, _fairscale_shards_after_a_step, optim):
+    for shards in two_ranks(tmp_path, _fairscale_shards_after_a_step, optim):
         assert shards
         for got, expected in shards:
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
@@ -210,7 +193,7 @@ def _fsdp_runs_by_optimizer_impl(rank: int, mode: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["fp32", "mixed"])
 def test_fsdp_runs_fused_adamw_on_its_sharded_parameters(tmp_path, mode):
-    for run in _two_ranks(tmp_path, _fsdp_runs_by_optimizer_impl, mode):
+    for run in two_ranks(tmp_path, _fsdp_runs_by_optimizer_impl, mode):
         fused, foreach = run["fused"], run["foreach"]
         assert fused["fused"] == {True} and True not in foreach["fused"] and fused["dtensor"]
         assert fused["losses"][-1] != fused["losses"][0]                  # the weights moved
@@ -245,26 +228,19 @@ def _step_collectives(rank: int) -> dict:
         if strategy == "ddp" and mode in ("fp32", "amp"):
             session.model.register_comm_hook(None, default_hooks.allreduce_hook)
         sent: list = []
-        real = {name: getattr(dist, name) for name in names}
 
-        def spy(*args, _name, **kwargs):
+        def record(name, args, kwargs):
             # all_reduce(tensor), all_gather_single(output, input), reduce_scatter_single(output, input)
-            tensor = kwargs["input"] if _name == "reduce_scatter_single" and "input" in kwargs else (
-                args[1] if _name == "reduce_scatter_single" else args[0])
-            sent.append((names[_name], tensor.numel() * tensor.element_size()))
-            return real[_name](*args, **kwargs)
+            tensor = kwargs["input"] if name == "reduce_scatter_single" and "input" in kwargs else (
+                args[1] if name == "reduce_scatter_single" else args[0])
+            sent.append((names[name], tensor.numel() * tensor.element_size()))
 
         try:
             for step in range(3):
                 sent.clear()
-                for name in names:
-                    setattr(dist, name, lambda *a, _n=name, **k: spy(*a, _name=_n, **k))
-                try:
+                with spied(record, *names):
                     session.clear_grads()
                     session.train_step()
-                finally:
-                    for name, fn in real.items():
-                        setattr(dist, name, fn)
         finally:
             session.close()
         seen[(strategy, mode, tuple(extra))] = list(sent)
@@ -274,7 +250,7 @@ def _step_collectives(rank: int) -> dict:
 def test_each_strategys_collectives_are_those_the_projection_counts(tmp_path):
     from rayvit.projection import comms
 
-    seen, _ = _two_ranks(tmp_path, _step_collectives)
+    seen, _ = two_ranks(tmp_path, _step_collectives)
     for (strategy, mode, extra), sent in seen.items():
         cfg = load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}", *extra,
                                               "parallel.num_workers=2"])
@@ -291,7 +267,7 @@ def test_each_strategys_collectives_are_those_the_projection_counts(tmp_path):
 # -- the GPU check's weight-decay case, on two ranks ---------------------------------------------------
 
 
-def test_gpu_checks_decay_case_steps_sharded_flat_parameters_on_two_ranks():
+def test_gpu_checks_decay_case_steps_sharded_flat_parameters_ontwo_ranks():
     """rayvit gpu-check runs its decay case on two gloo ranks (sharing the GPU there; CPU here), so each
     rank's masks cover a shard: the ranks hold different parts of the same flat parameters."""
     import re
@@ -337,8 +313,8 @@ def _compiled_and_eager(rank: int, strategy: str, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("strategy, mode", COMPILE_CASES)
-def test_compiled_training_matches_eager_on_two_ranks(tmp_path, strategy, mode):
-    runs = _two_ranks(tmp_path, _compiled_and_eager, strategy, mode)
+def test_compiled_training_matches_eager_ontwo_ranks(tmp_path, strategy, mode):
+    runs = two_ranks(tmp_path, _compiled_and_eager, strategy, mode)
     for run in runs:
         compiled, eager = run[True], run[False]
         assert compiled["graphs"] > 0 and eager["graphs"] == 0          # dynamo compiled, and only when asked
