@@ -6,8 +6,9 @@ checks a scaling study needs before anyone decides on its numbers:
 - every run finishes within ``--budget-s`` (default 60 s);
 - every multi-worker point's ``speedup_vs_ddp`` median in each run lies within ``--ratio-tolerance``
   (default 10%) of every other run's;
-- every multi-worker point's projection (from the run's own 1-worker DDP point and its measured links)
-  lies within ``--projection-tolerance`` (default 20%) of its measured median.
+- every multi-worker point's projection (from the run's own 1-worker DDP point, its measured links and
+  its strategy's own per-step overhead measured at that strategy's 1-worker point) lies within
+  ``--projection-tolerance`` (default 20%) of its measured median.
 
     python benchmarks/repeatability.py [--runs 3] [--set section.key=value ...]
 

@@ -7,8 +7,10 @@ cluster no node the points do not need), prints them with :func:`describe_measur
 
 - :func:`judge` for each point once the links are known (the points before that are judged together):
   the point's projection from the sweep's own single-chip (or smallest count) DDP measurement plus the
-  measured links, logged on the point's child run as ``projected_*`` metrics with ``projection_error``
-  (against the measured median), and a warning when the measured interval lies more than 25% beyond it.
+  measured links and its strategy's own per-step overhead (measured at the strategy's smallest count:
+  :func:`strategy_overheads`), logged on the point's child run as ``projected_*`` metrics with
+  ``projection_error`` (against the measured median), and a warning when the measured interval lies more
+  than 25% beyond it.
 - :func:`artifacts` at the end: ``links.json`` and ``projection.png`` (measured points over projected
   lines) for the parent run.
 """
@@ -67,6 +69,28 @@ def compute_source(outcomes, profile: HardwareProfile) -> Optional[tuple[Any, pe
                                                   chips=ref.point.world_size)
 
 
+def strategy_overheads(outcomes, profile: HardwareProfile, rate: performance.ComputeRate
+                       ) -> dict[str, tuple[Any, float]]:
+    """Per strategy: (its anchor, its own per-step overhead in seconds).
+
+    The anchor is the strategy's point at its smallest measured count; the overhead is that point's
+    measured median step less its projection without one (the DDP point the compute rate comes from
+    gets 0). What a wrapper costs per step (FSDP2's hooks and DTensor dispatch, ShardedDDP's gradient
+    hooks) is host work no link figure shows; measured once, it is carried to every other count.
+    """
+    out: dict[str, tuple[Any, float]] = {}
+    done = sorted((o for o in outcomes if o.ok and _finite(o.result.metrics.get("images_per_sec_per_chip"))),
+                  key=lambda o: o.point.world_size)
+    for o in done:
+        strategy = o.point.cfg.parallel.strategy
+        if strategy in out:
+            continue
+        measured = o.point.cfg.train.batch_size / o.result.metrics["images_per_sec_per_chip"]
+        modelled = performance.project(o.point.cfg, o.point.world_size, profile, rate, peak=1.0)
+        out[strategy] = (o, measured - modelled.step_s)
+    return out
+
+
 def project_outcome(outcome, outcomes, links: Optional[dict]) -> Optional[performance.Projection]:
     rows = [o.result.row() for o in outcomes if o.ok]
     profile = sweep_profile(outcome.point.cfg, rows, links)
@@ -74,10 +98,16 @@ def project_outcome(outcome, outcomes, links: Optional[dict]) -> Optional[perfor
     if source is None:
         return None
     ref, rate = source
+    anchor, overhead = strategy_overheads(outcomes, profile, rate).get(outcome.point.cfg.parallel.strategy,
+                                                                        (None, 0.0))
     peak = (outcome.result.metrics.get("peak_tflops") or 0) * 1e12 if outcome.ok else None
-    proj = performance.project(outcome.point.cfg, outcome.point.world_size, profile, rate, peak=peak or None)
+    proj = performance.project(outcome.point.cfg, outcome.point.world_size, profile, rate, peak=peak or None,
+                               overhead_s=overhead if ref is not outcome else 0.0)
     if ref is outcome:
         proj.notes.append("calibration point (the compute rate comes from it)")
+    elif anchor is outcome:
+        proj.notes.append(f"anchor point (its strategy's own overhead, {overhead * 1e3:+.1f} ms per step, is "
+                          "measured from it)")
     return proj
 
 
@@ -115,8 +145,7 @@ def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] =
     if flagged and short:
         where = ("Look for a slow or misconfigured network (NCCL falling back to TCP sockets, EFA/InfiniBand not "
                  "in use), throttled or shared chips, or a data-loading stall." if proj.chips > 1 else
-                 "One chip has no communication: the strategy's own per-step overhead (its wrapper, not modelled; "
-                 "the compute rate came from another strategy's point), a slow chip or a data-loading stall.")
+                 "One chip has no communication: a slow chip or a data-loading stall.")
         out(f"WARNING: {outcome.point.key} measured {measured:.4g} img/s/chip ({lo:.4g}-{hi:.4g}), "
             f"{1 - measured / projected:.0%} short of its projection {projected:.4g}, beyond its interval by more than "
             f"{SHORTFALL:.0%} (projected step {proj.step_s * 1e3:.1f} ms: compute "
@@ -148,7 +177,9 @@ def artifacts(outcomes, links: Optional[dict], folder: Path, title: str) -> list
     counts = sorted({o.point.world_size for o in outcomes})
     variants = list({o.point.cfg.parallel.strategy: o.point.cfg for o in outcomes}.values())
     peak = (done[0].result.metrics.get("peak_tflops") or 0) * 1e12 or None
-    projected = performance.project_grid(variants[0], _dense(counts), variants, profile, source[1], peak=peak)
+    overheads = {s: extra for s, (_, extra) in strategy_overheads(done, profile, source[1]).items()}
+    projected = performance.project_grid(variants[0], _dense(counts), variants, profile, source[1], peak=peak,
+                                         overheads=overheads)
     measured = [o.result.row() for o in done]
     files.append(report.measured_vs_projected_figure(measured, projected, Path(folder) / "projection.png",
                                                      title=title))

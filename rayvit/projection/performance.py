@@ -1,6 +1,6 @@
 """Step time per chip, and the throughput figures that follow from it, for any strategy and chip count.
 
-    step = slowdown(N) x (forward + backward) + exposed communication + optimizer step
+    step = slowdown(N) x (forward + backward) + exposed communication + optimizer step + own overhead
 
 - forward + backward (``compute``): a measured single-chip rate for this model, batch and precision
   (:class:`ComputeRate`, from a 1-chip point, a ``rayvit bench --json`` file or a ``gpu_check`` JSON), less the
@@ -14,6 +14,11 @@
 - optimizer: bytes the update reads and writes on this rank's elements (Adam: 6 x state + gradient bytes
   per element; SGD: 4 x state + gradient; plus 12 per element of master-copy traffic under ``mixed``,
   3 x gradient for fp16 loss-scale checks) over memory bandwidth, plus a per-tensor launch cost.
+- own overhead: what a strategy's wrapper costs per step beyond all that (FSDP2's hooks and DTensor
+  dispatch, ShardedDDP's gradient hooks: host work that no link or bandwidth figure shows; on a 2-core
+  CPU host FSDP2 at one worker is ~0.8x DDP with no communication at all). Unknown (0) unless measured:
+  inside a sweep, each strategy's own point at the smallest count anchors it
+  (:func:`rayvit.projection.insweep.strategy_overheads`).
 """
 
 from __future__ import annotations
@@ -58,13 +63,15 @@ class Projection:
     bytes_per_rank: float
     compute_source: str
     label: str = ""          # the strategy's name in tables (``Strategy.label``)
+    overhead_s: float = 0.0  # the strategy's own per-step overhead, measured at an anchor point
     vs_ddp: Optional[float] = None
     scaling_efficiency: Optional[float] = None
     notes: list = field(default_factory=list)
 
     @property
     def dominant(self) -> str:
-        terms = {"compute": self.compute_s, "communication": self.exposed_comm_s, "optimizer": self.optimizer_s}
+        terms = {"compute": self.compute_s, "communication": self.exposed_comm_s, "optimizer": self.optimizer_s,
+                 "strategy overhead": self.overhead_s}
         return max(terms, key=terms.get)
 
     def metrics(self) -> dict[str, float]:
@@ -72,6 +79,7 @@ class Projection:
         out = {"projected_step_time_s": self.step_s, "projected_images_per_sec_per_chip": self.images_per_sec_per_chip,
                "projected_tflops_per_chip": self.tflops_per_chip, "projected_compute_s": self.compute_s,
                "projected_exposed_comm_s": self.exposed_comm_s, "projected_optimizer_s": self.optimizer_s,
+               "projected_overhead_s": self.overhead_s,
                "projected_memory_bytes_per_rank": self.memory.total,
                "projected_model_state_bytes_per_rank": float(self.memory.state.total)}
         if self.mfu is not None:
@@ -170,8 +178,9 @@ def _shares_host(profile: HardwareProfile, chips: int) -> bool:
 
 def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional[ComputeRate] = None, *,
             batch: Optional[int] = None, layer_norm_fp32: Optional[bool] = None,
-            peak: Optional[float] = None) -> Projection:
-    """One point: ``cfg`` (its strategy, precision, model) on ``chips`` chips of ``profile``."""
+            peak: Optional[float] = None, overhead_s: float = 0.0) -> Projection:
+    """One point: ``cfg`` (its strategy, precision, model) on ``chips`` chips of ``profile``, with
+    ``overhead_s`` the strategy's own per-step overhead where it was measured."""
     batch = batch or cfg.train.batch_size
     compute = compute or compute_from_peak(cfg, profile)
     fb = compute.seconds_per_image * batch
@@ -181,7 +190,10 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
     msgs = comms.step_messages(cfg, chips, layer_norm_fp32=layer_norm_fp32)
     comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd)
     opt = optimizer_time(cfg, chips, profile, layer_norm_fp32=layer_norm_fp32)
-    step = fb + exposed + opt
+    # A negative overhead (the anchor point ran faster than this model says) never takes the step below
+    # its compute.
+    overhead_s = max(overhead_s, -(exposed + opt))
+    step = fb + exposed + opt + overhead_s
     ips = batch / step
     tflops = vit_complexity(cfg.model).train_flops_per_image * ips / 1e12
     peak = peak or peak_flops(cfg, profile)
@@ -189,20 +201,23 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
     return Projection(chips, cfg.parallel.strategy, batch, fb, comm_s, exposed, opt, step, ips, tflops,
                       tflops * 1e12 / peak if peak else None, mem, len(msgs),
                       comms.bytes_moved_per_rank(msgs, chips), compute.source,
-                      label=strategy_class(cfg.parallel.strategy).label(cfg))
+                      label=strategy_class(cfg.parallel.strategy).label(cfg), overhead_s=overhead_s)
 
 
 def project_grid(cfg: Config, chip_counts: list[int], variants: list[Config], profile: HardwareProfile,
-                 compute: Optional[ComputeRate] = None, **kwargs) -> list[Projection]:
+                 compute: Optional[ComputeRate] = None, *, overheads: Optional[dict[str, float]] = None,
+                 **kwargs) -> list[Projection]:
     """Every variant (strategy settings) at every chip count, with ratios to DDP and scaling efficiency.
 
+    ``overheads``: each strategy's own per-step overhead, by strategy name, where it was measured.
     ``vs_ddp`` = per-chip TFLOPS / DDP's at the same count; ``scaling_efficiency`` = per-chip images/s /
     the same variant's at the smallest count (the sweep's conventions).
     """
     out = []
     for n in sorted(set(chip_counts)):
         for v in variants:
-            out.append(project(v, n, profile, compute, **kwargs))
+            extra = (overheads or {}).get(v.parallel.strategy, 0.0)
+            out.append(project(v, n, profile, compute, overhead_s=extra, **kwargs))
     add_ratios(out)
     return out
 

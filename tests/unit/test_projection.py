@@ -13,7 +13,8 @@ from rayvit.models import vit_complexity
 from rayvit.config import load_config
 from rayvit.projection import comms, memory
 from rayvit.projection.collectives import fit_link
-from rayvit.projection.performance import ComputeRate, project
+from rayvit.projection.insweep import sweep_profile
+from rayvit.projection.performance import ComputeRate, compute_from_measured, project
 from rayvit.projection.profiles import Link, cpu_profile, get_profile, with_measured_links
 from rayvit.projection.shapes import vit_tensors
 
@@ -260,7 +261,6 @@ def test_every_accelerator_name_is_covered_and_variants_differ():
 
 
 def test_an_unknown_gpu_gets_a_generic_gpu_profile_with_a_warning_never_the_cpu_one():
-    from rayvit.projection.insweep import sweep_profile
     from rayvit.projection.profiles import UnknownAcceleratorWarning, profile_for_accelerator
 
     with pytest.warns(UnknownAcceleratorWarning, match="'NVIDIA L4'"):
@@ -342,3 +342,38 @@ def test_activation_model_against_what_autograd_saves(mode):
     modelled = sum(memory.activation_bytes_per_image(cfg, layer_norm_fp32=False).values()) \
         + memory.fixed_activation_bytes(cfg) / batch
     assert modelled == pytest.approx(saved, rel=0.10)
+
+
+def test_each_strategys_own_overhead_is_measured_at_its_smallest_point_and_carried_to_the_others():
+    """FSDP2 at one worker runs slower than DDP with no communication at all (its hooks, DTensor dispatch):
+    the sweep's projection measures that from the strategy's own smallest point and adds it elsewhere."""
+    from rayvit.projection.insweep import project_outcome, strategy_overheads
+    from rayvit.studies.plan import Point
+    from rayvit.studies.runner import Outcome
+
+    from shared import make_result
+
+    links = {"backend": "gloo", "world_size": 2, "nodes": 1, "memory_bw": 10e9, "shared_host_slowdown": 1.2,
+             "collectives": {k: {"latency_s": 1e-3, "busbw": 0.7e9} for k in
+                             ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")}}
+    rates = {("ddp", 1): 1100.0, ("fsdp", 1): 850.0, ("ddp", 2): 880.0, ("fsdp", 2): 460.0}
+    outcomes = []
+    for i, ((strategy, n), rate) in enumerate(rates.items()):
+        cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", f"parallel.num_workers={n}"])
+        outcomes.append(Outcome(Point(i + 1, f"{strategy}/w{n}", strategy, n, cfg), "done",
+                                make_result(strategy, n, 1.0, rate)))
+    ddp1, fsdp1, ddp2, fsdp2 = outcomes
+    batch = fsdp1.point.cfg.train.batch_size
+    profile = sweep_profile(fsdp1.point.cfg, [o.result.row() for o in outcomes], links)
+    overheads = strategy_overheads(outcomes, profile, compute_from_measured(ddp1.point.cfg, 1100.0, profile, "ddp/w1"))
+    assert overheads["ddp"][0] is ddp1 and overheads["ddp"][1] == pytest.approx(0, abs=1e-9)
+    # At one worker FSDP and DDP step the same elements and send nothing: the difference is FSDP's own.
+    assert overheads["fsdp"][0] is fsdp1
+    assert overheads["fsdp"][1] == pytest.approx(batch / 850 - batch / 1100)
+    anchor = project_outcome(fsdp1, outcomes, links)
+    assert anchor.images_per_sec_per_chip == pytest.approx(850) and anchor.notes[0].startswith("anchor point")
+    two = project_outcome(fsdp2, outcomes, links)
+    assert two.overhead_s == pytest.approx(batch / 850 - batch / 1100) and not two.notes
+    assert two.step_s == pytest.approx(two.compute_s + two.exposed_comm_s + two.optimizer_s + two.overhead_s)
+    assert two.metrics()["projected_overhead_s"] == two.overhead_s
+    assert project_outcome(ddp2, outcomes, links).overhead_s == pytest.approx(0, abs=1e-9)
