@@ -17,14 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    # Ray's worker processes must import rayvit to run the decode function.
-    ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [
-                 str(REPO), os.environ.get("PYTHONPATH")]))}})
-    yield ray
-    ray.shutdown()
+def local_ray(shared_ray):
+    # The local instance this module shares with test_data_storage.py and test_trainer.py (conftest.py):
+    # its Ray worker processes import rayvit to run the decode function.
+    return shared_ray
 
 
 def test_ray_data_path_feeds_build_data_from_shards(local_ray, digits_parquet):

@@ -15,12 +15,10 @@ from rayvit.trainer import fit
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
+def local_ray(tmp_path_factory, shared_ray):
     os.environ["RAYVIT_HOME"] = str(tmp_path_factory.mktemp("rayvit_home"))
-    # One training worker plus one CPU for Ray Data's read and decode tasks.
-    ray.init(num_cpus=2, include_dashboard=False)
+    # The local instance of conftest.py: one training worker here, and CPUs for Ray Data's read and decode tasks.
     yield
-    ray.shutdown()
 
 
 def point(path: str):

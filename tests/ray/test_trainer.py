@@ -14,13 +14,13 @@ from rayvit.trainer import ClusterTooSmall, TrainingError, build_trainer, check_
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray(tmp_path_factory):
-    # The caller's own Ray instance: rayvit must use it, not start another.
+def local_ray(tmp_path_factory, shared_ray):
+    # The caller's own Ray instance (conftest.py's, shared with the data modules): rayvit must use it, not
+    # start another. 3 logical CPUs: two training workers plus one for Ray Data's read/decode tasks
+    # (parquet test); the dashboard on, as the Train cleaner polls its state API.
     os.environ["RAYVIT_HOME"] = str(tmp_path_factory.mktemp("rayvit_home"))
-    # 3 logical CPUs: two training workers plus one for Ray Data's read/decode tasks (parquet test).
-    ray.init(num_cpus=3, include_dashboard=True)  # the Train cleaner polls its state API
+    assert ray.cluster_resources()["CPU"] == 3
     yield
-    ray.shutdown()
 
 
 def two_workers(*overrides):
