@@ -40,10 +40,38 @@ def _finish(proc: subprocess.Popen, start: float) -> tuple[int, str, float]:
     return proc.returncode, out, time.monotonic() - start
 
 
-def test_unreachable_cluster_is_a_clear_error_within_30s(tmp_path):
+_DEAD_ADDRESS = ("import time; from rayvit.launch.connect import ensure_ray, ClusterUnreachable\n"
+                 "t = time.monotonic()\n"
+                 "try:\n    ensure_ray()\nexcept ClusterUnreachable as e:\n"
+                 "    print(f'{time.monotonic() - t:.1f}|{e}')\n")
+
+
+@pytest.fixture(scope="module")
+def unreachable(tmp_path_factory):
+    """The three unreachable-address runs, started together: each mostly waits on a connect timeout, so
+    they wait side by side (each test below reads its own run, timed from its own start)."""
+    free, dead = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"   # free: nothing listens there
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("free", "dead", "dashboard")}
+    runs = {"free": (free, folders["free"], time.monotonic(), _scaling(folders["free"], ["--address", free])),
+            "dead": (dead, folders["dead"], time.monotonic(),
+                     subprocess.Popen([sys.executable, "-c", _DEAD_ADDRESS], cwd=REPO,
+                                      env=clean_env(RAY_ADDRESS=dead), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)),
+            "dashboard": (None, folders["dashboard"], time.monotonic(),
+                          _scaling(folders["dashboard"], ["--address", "http://127.0.0.1:8265"]))}
+    try:
+        yield runs
+    finally:
+        for *_, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def test_unreachable_cluster_is_a_clear_error_within_30s(unreachable):
     """``--address`` naming a port nothing listens on: exit 2 within 30 s, naming the address."""
-    address = f"127.0.0.1:{free_port()}"          # free: nothing listens there
-    rc, out, took = _finish(_scaling(tmp_path, ["--address", address]), time.monotonic())
+    address, tmp_path, start, proc = unreachable["free"]
+    rc, out, took = _finish(proc, start)
     assert rc == 2, f"rc {rc}\n{out[-3000:]}"
     assert took < 30, f"took {took:.0f} s:\n{out[-3000:]}"
     error = next(line for line in out.splitlines() if line.startswith("error:"))
@@ -53,22 +81,18 @@ def test_unreachable_cluster_is_a_clear_error_within_30s(tmp_path):
     assert not (tmp_path / "mlflow.db").exists(), "the address is checked before the tracking store is set up"
 
 
-def test_dead_ray_address_is_a_clear_error(tmp_path):
+def test_dead_ray_address_is_a_clear_error(unreachable):
     """``$RAY_ADDRESS`` left over from a cluster that is gone: the library call fails the same way."""
-    address = f"127.0.0.1:{free_port()}"
-    code = ("import time; from rayvit.launch.connect import ensure_ray, ClusterUnreachable\n"
-            "t = time.monotonic()\n"
-            "try:\n    ensure_ray()\nexcept ClusterUnreachable as e:\n"
-            "    print(f'{time.monotonic() - t:.1f}|{e}')\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(RAY_ADDRESS=address),
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "|" in out.stdout, out.stdout + out.stderr[-3000:]
-    took, error = out.stdout.strip().split("|", 1)
-    assert float(took) < 20 and address in error and "RAY_ADDRESS" in error, out.stdout
+    address, _, _, proc = unreachable["dead"]
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "|" in stdout, stdout + stderr[-3000:]
+    took, error = stdout.strip().split("|", 1)
+    assert float(took) < 20 and address in error and "RAY_ADDRESS" in error, stdout
 
 
-def test_dashboard_url_as_address_says_what_to_use(tmp_path):
-    rc, out, took = _finish(_scaling(tmp_path, ["--address", "http://127.0.0.1:8265"]), time.monotonic())
+def test_dashboard_url_as_address_says_what_to_use(unreachable):
+    _, _, start, proc = unreachable["dashboard"]
+    rc, out, took = _finish(proc, start)
     assert rc == 2, out[-3000:]
     assert "dashboard" in out and "ray job submit --address http://127.0.0.1:8265" in out, out[-3000:]
     assert took < 30
