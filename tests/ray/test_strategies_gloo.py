@@ -8,7 +8,9 @@ training (``model.compile``) under every strategy that supports it.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,6 +144,9 @@ def _fairscale_shards_after_a_step(rank: int, optim: str) -> list[tuple[torch.Te
     from fairscale.nn import FullyShardedDataParallel as Wrapper
 
     from rayvit.worker.optim import owned_parameters
+
+    # The unit tier's FairScale helpers; its folder is on sys.path only when pytest collected it too.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from test_fidelity import _fairscale, _reference_step, _unwrapped_paths
 
     cfg, strategy, model, optimizer = _fairscale([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
