@@ -78,7 +78,10 @@ def across_ranks(per_rank: Mapping[str, Sequence[float]]) -> tuple[dict[str, flo
 
 
 def library_versions() -> dict[str, str]:
-    versions = {"torch_version": torch.__version__, "rayvit_version": rayvit.__version__}
+    # Plain str: torch.__version__ is a TorchVersion, whose unpickling imports torch. A result travels to
+    # the driver through the progress board's process, which would then import torch (~1.3 s of a core)
+    # while the next run of a worker group timed its steps.
+    versions = {"torch_version": str(torch.__version__), "rayvit_version": rayvit.__version__}
     for name in ("ray", "fairscale"):
         try:
             module = __import__(name)

@@ -7,7 +7,10 @@ where the rounds themselves are.
 from __future__ import annotations
 
 import math
+import pickle
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -182,3 +185,10 @@ def test_a_run_that_raises_in_its_round_leaves_the_others_measured():
     assert [s[0] for s in seen[3:]] == [2, 0, 2, 0]
     point = RunResult.of_rounds([RunResult.from_dict(r) for r in outcomes[0]["rounds"]], outcomes[0]["places"])
     assert point.metrics["rounds"] == 3 and math.isfinite(point.metrics["images_per_sec_per_chip_lo"])
+    # A round's result travels to the driver through the progress board's process, which has no torch:
+    # unpickling it there must not import torch (a TorchVersion would, for ~1.3 s of a core, while the
+    # group's next run times its steps).
+    code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); assert 'torch' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(outcomes[0]["rounds"][0]),
+                          capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()
