@@ -244,7 +244,6 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
 def _reduce_scatter_dtypes(device, strategy: str, mode: str, dtype: str, reduce: str, steps: int) -> set:
     """On one of two ranks: the dtypes ``strategy`` (FairScale FSDP) reduce-scatters gradients in over
     ``steps`` steps."""
-    import torch
     import torch.distributed as dist
 
     sent: set = set()

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional
 
 from rayvit.config import Config
 from rayvit.projection.dtypes import FULL, Dtypes
-from rayvit.projection.shapes import Tensor, vit_tensors
+from rayvit.projection.shapes import Tensor, fsdp_units, vit_tensors
 
 STEP_BYTES = 4                 # Adam's per-tensor `step` counter: a 0-d fp32 tensor
 
@@ -203,10 +203,10 @@ def sharded_messages(groups: list[ShardGroup], dt: Dtypes, n: int) -> tuple[list
     return forward, backward
 
 
-def sharded_transient(layout: Layout, units: Iterable[list[Tensor]]) -> int:
-    """Gathered units in the compute dtype (two at a time when resharding after forward; all of them from
-    forward to backward when not) plus one unit's unsharded gradient."""
-    units = list(units)
+def sharded_transient(layout: Layout) -> int:
+    """FSDP units (``shapes.fsdp_units``) gathered in the compute dtype (two at a time when resharding after
+    forward; all of them from forward to backward when not) plus one unit's unsharded gradient."""
+    units = list(fsdp_units(list(layout.tensors)).values())
     dt = layout.dt
     gathered = sorted((sum(t.numel * dt.gathered(t.norm) for t in u) for u in units), reverse=True)
     largest = max(sum(t.numel for t in u) for u in units)

@@ -400,7 +400,8 @@ class SweepTracker:
             self.client.delete_run(old.info.run_id)
         from rayvit.record.plots import strategy_colour  # the PNG's colour of each strategy, in the UI too
 
-        colour = {TAG_RUN_COLOUR: strategy_colour(series)} if strategy_colour(series) is not None else {}
+        shade = strategy_colour(series)
+        colour = {TAG_RUN_COLOUR: shade} if shade is not None else {}
         run = self.client.create_run(
             self.experiment_id, run_name=f"{series} · {self.sweep}",
             tags={TAG_SWEEP_RUN: self.parent_id, TAG_SWEEP: self.sweep, TAG_KIND: "curve", "series": series,

@@ -21,7 +21,7 @@ from rayvit.worker import checkpoint
 from rayvit.worker.optim import build_optimizer, param_groups, weight_decay_plan
 from rayvit.worker.precision import MasterWeights, Precision
 
-from rayvit.config import _half_reduce, reduces_in_half
+from rayvit.config import reduces_in_half
 from rayvit.projection.costs import Layout, Message, StateBytes, tensor_state
 
 if TYPE_CHECKING:
@@ -50,10 +50,9 @@ def ensure_process_group(device: torch.device) -> bool:
 
 def pure_reduce_refusal(cfg: "Config", why: str) -> Optional[str]:
     """The refusal of a library that cannot reduce ``pure``'s half gradients in fp32 (``why`` says why)."""
-    p, prec = cfg.parallel, cfg.precision
-    if prec.mode == "pure" and not _half_reduce(p, prec):
-        return (f"precision.mode=pure with parallel.strategy={p.strategy} cannot reduce its half gradients in "
-                f"fp32 (parallel.reduce_dtype=fp32): {why}; set parallel.reduce_dtype=half, or use "
+    if cfg.precision.mode == "pure" and not reduces_in_half(cfg):
+        return (f"precision.mode=pure with parallel.strategy={cfg.parallel.strategy} cannot reduce its half "
+                f"gradients in fp32 (parallel.reduce_dtype=fp32): {why}; set parallel.reduce_dtype=half, or use "
                 "parallel.strategy=ddp or fsdp, which reduce in fp32")
     return None
 

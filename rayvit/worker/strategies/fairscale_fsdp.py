@@ -179,7 +179,7 @@ class FairScaleFSDP(Strategy):
 
     @classmethod
     def transient_bytes(cls, layout: Layout) -> int:
-        return sharded_transient(layout, fsdp_units(list(layout.tensors)).values())
+        return sharded_transient(layout)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -81,7 +81,7 @@ class FSDP(Strategy):
 
     @classmethod
     def transient_bytes(cls, layout: Layout) -> int:
-        return sharded_transient(layout, fsdp_units(list(layout.tensors)).values())
+        return sharded_transient(layout)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
