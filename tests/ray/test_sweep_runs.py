@@ -1,13 +1,20 @@
 """Sweep planning, the CLI's early errors, and real sweeps through the CLI into a real MLflow store.
 
-The end-to-end tests run ``experiments/scaling.py`` as a subprocess (a local Ray instance each run, as a
-user would) with few steps, then read the sqlite store the runs went to.
+The end-to-end tests run ``experiments/scaling.py`` as a subprocess with few steps, then read the sqlite
+store the runs went to. The default sweep runs as a user would, with no address: its own local Ray
+instance. The resume, interrupt and ladder tests run several CLI commands each; they attach to one
+``ray start`` head of this module (``shared_head``: 2 CPUs, token authentication with a token of its own,
+as a local instance has) through ``RAY_ADDRESS``, instead of each command starting and stopping a local
+instance of its own. The head keeps its own ``--temp-dir`` (so its ``ray_current_cluster`` file is
+there, not in /tmp/ray, and no command without ``RAY_ADDRESS`` attaches to it) and is stopped by
+killing its own process group (``clusters.Cluster``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +26,7 @@ import pytest
 from mlflow import MlflowClient
 
 import browser
+from clusters import Cluster, clean_env
 
 from shared import cli_env, FEW_STEPS, SCRIPT
 
@@ -31,6 +39,29 @@ from shared import cli_env, FEW_STEPS, SCRIPT
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweeps")
     return root, cli_env(root)
+
+
+@pytest.fixture(scope="module")
+def shared_head(tmp_path_factory):
+    """A ``ray start`` head the later CLI runs attach to (started when the first test asks for it, after
+    the default sweep has run on its own local instance)."""
+    token = secrets.token_hex(32)
+    cluster = Cluster(tmp_path_factory.mktemp("head"), clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+                      prefix="rvsw")
+    cluster.start_head(num_cpus=2)
+    try:
+        cluster.wait_dashboard()
+        yield cluster
+    finally:
+        stray = cluster.stop()
+        assert not stray, f"Ray processes left behind: {stray}"
+
+
+@pytest.fixture
+def attached(store, shared_head):
+    """The store's CLI environment, attached to the module's head (its address and token)."""
+    root, env = store
+    return root, {**env, "RAY_ADDRESS": shared_head.address, "RAY_AUTH_TOKEN": shared_head.env["RAY_AUTH_TOKEN"]}
 
 
 def run_cli(env, *args, timeout=400):
@@ -223,8 +254,8 @@ def test_the_mlflow_ui_shows_every_strategy_against_chips_within_two_clicks(defa
 
 
 @pytest.mark.slow
-def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(store):
-    root, env = store
+def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(attached):
+    root, env = attached
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     sweep = ["--name", "resume", "--set", "sweep.strategies=ddp", *FEW_STEPS]
 
@@ -263,8 +294,8 @@ def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(store):
 
 
 @pytest.mark.slow
-def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(store):
-    root, env = store
+def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(attached):
+    root, env = attached
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--name", "interrupted", "--set", "sweep.strategies=ddp",
                              "--set", "sweep.worker_counts=1", "--set", "train.steps=5000",
@@ -294,10 +325,10 @@ def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(store):
 
 
 @pytest.mark.slow
-def test_a_killed_driver_is_resumed_measuring_only_what_is_missing(store):
+def test_a_killed_driver_is_resumed_measuring_only_what_is_missing(attached):
     """SIGKILL (no handler runs) once the 1-worker group is recorded, during the 2-worker group: the rerun
     reuses the finished points, closes the ones the dead driver left running, and measures only those."""
-    root, env = store
+    root, env = attached
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     sweep = [sys.executable, str(SCRIPT), "--name", "killed", "--set", "sweep.strategies=ddp,fsdp",
              "--set", "sweep.rounds=2", *FEW_STEPS]
@@ -332,8 +363,8 @@ def test_a_killed_driver_is_resumed_measuring_only_what_is_missing(store):
 
 
 @pytest.mark.slow
-def test_the_ladder_measures_its_rungs_on_one_worker_group(store):
-    root, env = store
+def test_the_ladder_measures_its_rungs_on_one_worker_group(attached):
+    root, env = attached
     env = {**env, "RAYVIT_HOME": str(root / "ladder-home")}      # its Ray Train runs alone in their folder
     proc = run_cli(env, "--config", str(SCRIPT.parent / "configs" / "ladder_cpu.yaml"), "--name", "ladder",
                    "--set", "sweep.rungs=baseline,mixed_precision,fsdp", "--set", "parallel.num_workers=1",
