@@ -30,7 +30,7 @@ import os
 import time
 from typing import Optional
 
-__all__ = ["ensure_ray", "check_cluster", "resolve_address", "cluster_auth_mode", "ConnectError",
+__all__ = ["ensure_ray", "started_local", "check_cluster", "resolve_address", "cluster_auth_mode", "ConnectError",
            "ClusterUnreachable", "ClusterAuthError", "CONNECT_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ _TOKEN_SOURCES = ("$RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH (a file holding the tok
 # The mode this module last put in RAY_AUTH_MODE: a later local instance in the same process (after
 # ray.shutdown()) must not inherit an attached cluster's "disabled" as if the user had chosen it.
 _mode_we_set: Optional[str] = None
+# Whether the instance this process last reached is a local one ensure_ray started (see started_local).
+_started_here = False
 
 
 class ConnectError(RuntimeError):
@@ -67,9 +69,11 @@ def ensure_ray(address: Optional[str] = None, *, timeout_s: float = CONNECT_TIME
     """
     import ray
 
+    global _started_here
     if ray.is_initialized():
         return
     target = check_cluster(address, timeout_s=timeout_s)
+    _started_here = target is None
     if target is None:
         _start_local()
         return
@@ -78,6 +82,14 @@ def ensure_ray(address: Optional[str] = None, *, timeout_s: float = CONNECT_TIME
     except ConnectionError as e:
         raise ClusterUnreachable(f"the Ray cluster at {target} answered but attaching failed: {e}. "
                                  f"Check `ray status --address {target}` on the head node") from e
+
+
+def started_local() -> bool:
+    """True while Ray runs on a local instance :func:`ensure_ray` started in this process: one node, this
+    machine, nothing a cloud provider can preempt or drain."""
+    import ray
+
+    return _started_here and ray.is_initialized()
 
 
 def check_cluster(address: Optional[str] = None, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Optional[str]:

@@ -32,7 +32,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.config import Config, from_dict
 from rayvit.launch import capacity
-from rayvit.launch.connect import ensure_ray
+from rayvit.launch.connect import ensure_ray, started_local
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import worker_bundle
 from rayvit.launch.storage import check_storage, storage_path
@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 _USER_HEALTH_CHECK = os.environ.get(HEALTH_CHECK_ENV)
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+_USER_PREEMPTION_WATCHER = os.environ.get(PREEMPTION_WATCHER_ENV)
 
 
 def train_environment(cfg: Config, reports: bool = True) -> None:
@@ -59,6 +61,15 @@ def train_environment(cfg: Config, reports: bool = True) -> None:
     # else 30 s (Ray's 60 s default is long for a group that cannot start on a fixed cluster; points that
     # need new nodes wait for them before Ray Train starts, in rayvit.launch.capacity).
     os.environ[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
+    # Ray Train starts a preemption watcher for every worker group, after the workers start: its process
+    # imports Ray Train (~1 s of a core) while the group's first steps are timed (measured on a 2-core
+    # host: the first round's first point ~15% slower than its later rounds). On a local instance rayvit
+    # started there is no node a provider can drain, so it has nothing to watch; on clusters it stays.
+    if _USER_PREEMPTION_WATCHER is None:
+        if started_local():
+            os.environ[PREEMPTION_WATCHER_ENV] = "0"
+        else:
+            os.environ.pop(PREEMPTION_WATCHER_ENV, None)
 
 
 class TrainingError(RuntimeError):
@@ -93,17 +104,26 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         except (KeyError, ValueError, RuntimeError):
             shards[name] = None
     shards = shards if shards["train"] is not None else None
+    waits: list[float] = []
     if config.get("group") is not None:
         from rayvit.worker.rounds import measure_rounds
 
         poster = config.get("progress")
+        between = None
+        if config.get("links") is not None:
+            # The wait for the slowest rank drifts over seconds on a shared host: read it after every
+            # round, so the links cover the same minutes as the points they project.
+            from rayvit.projection.collectives import wait_probe
+
+            between = lambda r: waits.append(wait_probe(device))  # noqa: E731
         out: dict[str, Any] = {"group": measure_rounds(
             [from_dict(c) for c in config["group"]], config["rounds"], device=device, dataset_shards=shards,
-            on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None)}
+            on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None,
+            between_rounds=between)}
     else:
         out = _train_one(cfg, config, device, shards).to_dict()
     if config.get("links") is not None:
-        out["links"] = _measure_links(cfg, config)
+        out["links"] = _measure_links(cfg, {**config, "links": {**config["links"], "host_waits": waits}})
     return out
 
 

@@ -1,10 +1,19 @@
 """Collective microbenchmark: all-reduce, all-gather, reduce-scatter, broadcast and reduce time against
 message size on the cluster a sweep is given, fitted to ``latency + factor x bytes / busbw``.
 
-Each collective is timed the way a training step issues it: right after a short compute segment, with
-no barrier to line the ranks up, so the fitted latency includes the wait for the slowest rank (on a
-shared CPU host: OS scheduling of co-located workers and Ray's own processes) as well as the transfer.
-Barrier-aligned times (nccl-tests style) are kept beside them in the JSON for reference.
+Two parts, measured apart because they vary differently:
+
+- the transfer: each collective timed with the ranks lined up by a barrier (nccl-tests style), the median
+  of its repeats, fitted per kind to latency + bytes / busbw;
+- the wait for the slowest rank: the same collectives issued the way a training step issues them, right
+  after a short compute segment with no barrier, cost the transfer plus a wait for a rank that arrives
+  late (on a shared CPU host: a rank descheduled for a scheduler slice while its peer waits; a CUDA
+  kernel queue on GPUs). That wait belongs to the host, not to the collective, and it is heavy-tailed
+  (on a 2-core host ~60% of collectives wait ~0.1 ms, ~40% 2-4 ms) and it drifts over seconds (its mean
+  over 3-second windows of one idle machine ranged 0.45-1.12 ms), so a mean over one kind's 30 repeats
+  moved by 2x between two measurements. It is one figure for every kind (``host_wait_s``, added to each
+  kind's latency): read by :func:`wait_probe` after every round of a sweep's worker group, so that it
+  covers the minutes the points were measured in, or else pooled over the microbenchmark's kinds and sizes.
 
 ``measure_links`` runs :func:`worker_benchmark` on N Ray Train workers (gloo on CPU, NCCL on GPU) and
 returns a *links* dict (JSON-able) that :func:`rayvit.projection.profiles.with_measured_links` turns into
@@ -59,19 +68,33 @@ def _timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _busy(seconds: float, device) -> None:
-    """Matmuls for about ``seconds``: the compute a rank does between two collectives of a step."""
+def _segment(seconds: float, device):
+    """The compute a rank does between two collectives of a step: a fixed number of matmuls, about
+    ``seconds`` on the fastest rank unhindered, the same count on every rank.
+
+    Fixed work, not a deadline, as in training: a rank descheduled mid-segment arrives late by all the
+    time it lost. A loop that ran until a deadline would end on time anyway and hide most of the wait
+    (measured on a 2-core host: a third to a half of it).
+    """
     import torch
+    import torch.distributed as dist
 
     a = torch.randn(128, 128, device=device)
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a @ a
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+
+    def work(count: int) -> None:
+        for _ in range(count):
+            a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    work(5)
+    each = min(_timed_plain(lambda: work(20), device) for _ in range(5)) / 20
+    count = torch.tensor([max(1.0, seconds / each)], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return lambda: work(int(count.item()))
 
 
-def _in_step(op, device, repeats: int, segment_s: float) -> float:
+def _in_step(op, device, repeats: int, segment) -> float:
     """Mean cost of ``op`` issued right after a compute segment, as inside a training step.
 
     The mean, not the median: step times add up, and the wait for a descheduled peer is a rare but
@@ -86,7 +109,7 @@ def _in_step(op, device, repeats: int, segment_s: float) -> float:
     costs = []
     dist.barrier()
     for _ in range(repeats):
-        _busy(segment_s, device)
+        segment()
         mid = time.perf_counter()
         op()
         if device.type == "cuda":
@@ -99,12 +122,13 @@ def _in_step(op, device, repeats: int, segment_s: float) -> float:
 
 def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_s: float = 2e-3
                      ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
-    """``({kind: [[bytes, seconds], ...]} in a step, the same barrier-aligned)``; sizes as nccl-tests
-    counts them (whole array), fp32. The in-step times are what the projection uses."""
+    """``({kind: [[bytes, seconds], ...]} in a step (means), the same barrier-aligned (medians))``; sizes
+    as nccl-tests counts them (whole array), fp32."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
+    segment = _segment(segment_s, device)
     in_step: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     aligned: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     for size in sizes:
@@ -116,8 +140,34 @@ def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_
             for _ in range(warmup):
                 op()
             aligned[kind].append([float(numel * 4), _timed(op, device, repeats)])
-            in_step[kind].append([float(numel * 4), _in_step(op, device, 2 * repeats, segment_s)])
+            in_step[kind].append([float(numel * 4), _in_step(op, device, 2 * repeats, segment)])
     return in_step, aligned
+
+
+WAIT_PROBE_BYTES = 16 * 2 ** 10
+
+
+def wait_probe(device, repeats: int = 150, segment_s: float = 2e-3) -> float:
+    """One reading of the host's wait for the slowest rank, for a sweep's worker group to take between
+    its rounds: a small all-gather issued after compute segments (mean), less the same all-gather
+    barrier-aligned (median). About ``repeats`` x (segment + 1 ms); every rank must call it alike."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    numel = max(n, WAIT_PROBE_BYTES // 4 // n * n)
+    buf, shard = torch.ones(numel, device=device), torch.ones(numel // n, device=device)
+    op = lambda: _run("all_gather", buf, shard, dist)  # noqa: E731
+    op()
+    aligned = _timed(op, device, 15)
+    return max(0.0, _in_step(op, device, repeats, _segment(segment_s, device)) - aligned)
+
+
+def host_wait(in_step: dict[str, list[list[float]]], aligned: dict[str, list[list[float]]]) -> float:
+    """Mean seconds a collective issued inside a step waits beyond its barrier-aligned time, pooled over
+    every kind and size (each point is the mean of the same number of repeats)."""
+    extra = [s - a for kind in in_step for (_, s), (_, a) in zip(in_step[kind], aligned[kind])]
+    return max(0.0, statistics.fmean(extra)) if extra else 0.0
 
 
 def fit_link(points: list[list[float]], kind: str, n: int) -> dict[str, float]:
@@ -228,12 +278,18 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     sizes = config.get("sizes") or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
     points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)))
+    # The wait read between a worker group's rounds (``host_waits``) covers the minutes the points were
+    # measured in; the microbenchmark's own covers its few seconds.
+    pooled = host_wait(points, aligned)
+    during = [float(w) for w in config.get("host_waits") or []]
+    wait = statistics.fmean(during) if during else pooled
     slowdown = shared_host_slowdown(device, config.get("model"), int(config.get("batch", 8)))
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
     links = {"backend": dist.get_backend(), "world_size": n, "nodes": len(set(hosts)),
              "device": device.type, "shared_host_slowdown": slowdown, "memory_bw": bandwidth,
-             "collectives": {k: {**fit_link(p, k, n), "points": p, "aligned_points": aligned[k]}
-                             for k, p in points.items()},
+             "host_wait_s": wait, "host_wait_microbenchmark_s": pooled, "host_waits_during_rounds": during,
+             "collectives": {k: {**_with_wait(fit_link(aligned[k], k, n), wait), "points": p,
+                                 "aligned_points": aligned[k]} for k, p in points.items()},
              "seconds": time.perf_counter() - start}
     if device.type == "cuda":
         # What picks the hardware profile: the chip (rayvit.worker.hardware's name) and its memory size.
@@ -242,6 +298,11 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
         links.update(device_name=accelerator_name(device),
                      device_memory_bytes=int(torch.cuda.get_device_properties(device).total_memory))
     return links if dist.get_rank() == 0 else {}
+
+
+def _with_wait(link: dict[str, float], wait: float) -> dict[str, float]:
+    """A link fitted on aligned times, with the host's wait for the slowest rank in its latency."""
+    return {**link, "transfer_latency_s": link["latency_s"], "latency_s": link["latency_s"] + wait}
 
 
 def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: int = 1,
@@ -279,7 +340,9 @@ def describe(links: dict[str, Any]) -> str:
     """One line per collective: latency and bus bandwidth, as measured."""
     lines = [f"collectives over {links['world_size']} {links['backend']} ranks on {links['nodes']} node(s) "
              f"(shared-host slowdown {links.get('shared_host_slowdown', 1):.2f}, memory copy "
-             f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s):"]
+             f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s); latency includes "
+             f"{links.get('host_wait_s', 0) * 1e6:.0f} us waiting for the slowest rank"
+             f"{' (read between the rounds)' if links.get('host_waits_during_rounds') else ''}:"]
     for kind, c in links["collectives"].items():
         lines.append(f"  {kind:<15} latency {c['latency_s'] * 1e6:8.0f} us  busbw {c['busbw'] / 1e9:7.2f} GB/s")
     return "\n".join(lines)

@@ -39,12 +39,14 @@ def round_order(count: int, rounds: int) -> list[list[int]]:
 
 def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torch.device] = None,
                    dataset_shards: Optional[dict] = None, on_step: Optional[Callable[..., None]] = None,
-                   on_round: Optional[RoundHook] = None) -> list[dict[str, Any]]:
+                   on_round: Optional[RoundHook] = None,
+                   between_rounds: Optional[Callable[[int], None]] = None) -> list[dict[str, Any]]:
     """Train every config once per round, in rotated order, on this worker's process group.
 
     Returns one entry per config: ``{"rounds": [result dict of each round it finished], "places":
     [(round, slot), ...], "error": None or the traceback of the round it failed in}``. ``on_step(session,
-    index, round)`` runs after every step (live progress), outside the timed window.
+    index, round)`` runs after every step (live progress), outside the timed window;
+    ``between_rounds(round)`` after each round's last run (on every rank alike).
     """
     outcomes: list[dict[str, Any]] = [{"rounds": [], "places": [], "error": None} for _ in cfgs]
     for r, order in enumerate(round_order(len(cfgs), rounds)):
@@ -70,6 +72,8 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
             if on_round:
                 on_round(index, r, slot, result if error is None else None, error)
             slot += 1
+        if between_rounds:
+            between_rounds(r)
     return outcomes
 
 

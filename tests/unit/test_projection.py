@@ -12,13 +12,13 @@ import pytest
 from rayvit.models import vit_complexity
 from rayvit.config import load_config
 from rayvit.projection import comms, memory
-from rayvit.projection.collectives import fit_link
+from rayvit.projection.collectives import fit_link, host_wait, wait_probe, worker_benchmark
 from rayvit.projection.insweep import sweep_profile
 from rayvit.projection.performance import ComputeRate, compute_from_measured, project
 from rayvit.projection.profiles import Link, cpu_profile, get_profile, with_measured_links
 from rayvit.projection.shapes import vit_tensors
 
-from shared import COMBOS, reduce_dtype, vit_b16
+from shared import COMBOS, reduce_dtype, two_ranks, vit_b16
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
@@ -290,6 +290,37 @@ def test_fit_link_recovers_latency_and_bus_bandwidth():
     fit = fit_link(points, "all_gather", n)
     assert fit["latency_s"] == pytest.approx(latency)
     assert fit["busbw"] == pytest.approx(busbw)
+
+
+def test_the_wait_for_the_slowest_rank_is_one_figure_pooled_over_kinds_and_sizes():
+    in_step = {"all_gather": [[1e4, 1.2e-3], [1e6, 2.0e-3]], "all_reduce": [[1e4, 1.4e-3], [1e6, 2.6e-3]]}
+    aligned = {"all_gather": [[1e4, 0.2e-3], [1e6, 1.0e-3]], "all_reduce": [[1e4, 0.2e-3], [1e6, 1.8e-3]]}
+    assert host_wait(in_step, aligned) == pytest.approx(1.0e-3)
+    assert host_wait(aligned, in_step) == 0.0          # never negative
+
+
+def _links_with_waits(rank):
+    import torch
+
+    read = wait_probe(torch.device("cpu"), repeats=10)
+    links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "host_waits": [1e-3, 3e-3]})
+    return read, links
+
+
+@pytest.mark.slow
+def test_links_carry_the_wait_read_between_rounds_in_every_latency(tmp_path):
+    (read, links), (other, nothing) = two_ranks(tmp_path, _links_with_waits)
+    assert read >= 0 and other >= 0 and nothing == {}
+    assert links["host_wait_s"] == pytest.approx(2e-3) and links["host_waits_during_rounds"] == [1e-3, 3e-3]
+    assert links["host_wait_microbenchmark_s"] >= 0
+    for kind, link in links["collectives"].items():
+        # The transfer is fitted on the barrier-aligned medians; the wait is added once, to every kind.
+        assert link["latency_s"] == pytest.approx(link["transfer_latency_s"] + 2e-3)
+        assert link == {**fit_link(link["aligned_points"], kind, 2), "transfer_latency_s": link["transfer_latency_s"],
+                        "latency_s": link["latency_s"], "points": link["points"],
+                        "aligned_points": link["aligned_points"]}
+    profile = with_measured_links(cpu_profile(), links)
+    assert profile.link("all_gather", 2).latency_s == pytest.approx(links["collectives"]["all_gather"]["latency_s"])
 
 
 def test_memory_fit_and_largest_batch():

@@ -7,6 +7,7 @@ where the rounds themselves are.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import random
 import subprocess
@@ -172,9 +173,11 @@ def test_a_run_that_raises_in_its_round_leaves_the_others_measured():
     ok = config("model.hidden_dim=32", "model.depth=1", "model.num_heads=2", "model.mlp_dim=64",
                 "model.patch_size=8", "train.steps=4", "train.warmup_steps=1", "train.batch_size=4")
     broken = ok.replace({"train.fail_at_step": 2})
-    seen = []
+    seen, between = [], []
     outcomes = measure_rounds([ok, broken, ok.replace({"optim.impl": "foreach"})], 3,
-                              on_round=lambda i, r, slot, result, error: seen.append((i, r, slot, error is None)))
+                              on_round=lambda i, r, slot, result, error: seen.append((i, r, slot, error is None)),
+                              between_rounds=lambda r: between.append((r, len(seen))))
+    assert between == [(0, 3), (1, 5), (2, 7)]          # after each round's last run
     assert outcomes[1]["error"] and "injected fault on rank 0 at step 2" in outcomes[1]["error"]
     assert outcomes[1]["rounds"] == []
     for i in (0, 2):
@@ -192,3 +195,25 @@ def test_a_run_that_raises_in_its_round_leaves_the_others_measured():
     done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(outcomes[0]["rounds"][0]),
                           capture_output=True)
     assert done.returncode == 0, done.stderr.decode()
+
+
+def test_a_local_instance_starts_no_preemption_watcher_and_a_users_choice_stays(monkeypatch):
+    """Ray Train's preemption watcher starts after a group's workers, while its first steps are timed: off
+    on a local instance rayvit started (nothing there can be drained), Ray's default elsewhere."""
+    from rayvit.launch import trainer
+
+    cfg = config()
+    for name in (trainer.PREEMPTION_WATCHER_ENV, trainer.HEALTH_CHECK_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)          # restored after the test
+    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", None)
+    monkeypatch.setattr(trainer, "started_local", lambda: True)
+    trainer.train_environment(cfg)
+    assert os.environ[trainer.PREEMPTION_WATCHER_ENV] == "0"
+    monkeypatch.setattr(trainer, "started_local", lambda: False)
+    trainer.train_environment(cfg)
+    assert trainer.PREEMPTION_WATCHER_ENV not in os.environ
+    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", "1")
+    monkeypatch.setenv(trainer.PREEMPTION_WATCHER_ENV, "1")
+    monkeypatch.setattr(trainer, "started_local", lambda: True)
+    trainer.train_environment(cfg)
+    assert os.environ[trainer.PREEMPTION_WATCHER_ENV] == "1"
