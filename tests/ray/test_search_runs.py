@@ -110,8 +110,12 @@ def test_cli_search_interrupted_then_resumed_picks_the_faster_setting_within_bud
     best_path = tmp_path / "best.yaml"
     sets = ["search.space={optim.impl: [fused], model.image_size: [32, 40]}", "search.screen=false"]
     argv = ["--name", "decisive", "--output", str(best_path)] + [a for s in sets for a in ("--set", s)]
+    # The interrupted run attaches to this module's instance (the resume below runs on it too) rather
+    # than starting a local instance of its own beside it: the CLI's default path, a local instance of
+    # its own, is test_sweep_runs.py's default sweep. The instance's token is Ray's default one for local
+    # instances, ~/.ray/auth_token, which the CLI finds there too.
     env = {**cli_env(tmp_path), "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"],
-           "RAYVIT_HOME": os.environ["RAYVIT_HOME"]}
+           "RAYVIT_HOME": os.environ["RAYVIT_HOME"], "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     proc = subprocess.Popen([sys.executable, "experiments/search.py", *argv], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines: list[str] = []
