@@ -1,5 +1,6 @@
 """One local Ray instance (``ray.init`` in the pytest process) for the modules that drive Ray from this
-process with the same settings: Ray Data's shards, parquet storage, and rayvit.trainer.
+process with the same settings: the collective microbenchmark, Ray Data's shards, parquet storage, and
+rayvit.trainer.
 
 Starting and stopping a local instance costs seconds each time, so these modules share one: they run
 one after another at the end of the tier (``SHARED``, in that order, where test_trainer.py stands), the
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = ("test_data_ray.py", "test_data_storage.py", "test_trainer.py")
+# test_projection_distributed.py first: its test without Ray runs before the instance starts.
+SHARED = ("test_projection_distributed.py", "test_data_ray.py", "test_data_storage.py", "test_trainer.py")
 
 
 def _shared_index(item) -> int | None:

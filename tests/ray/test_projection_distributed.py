@@ -57,16 +57,13 @@ def test_model_state_equals_the_built_strategies_at_world_size_2():
 
 
 @pytest.mark.slow
-def test_collective_microbenchmark_on_two_ray_workers(tmp_path, monkeypatch):
+def test_collective_microbenchmark_on_two_ray_workers(tmp_path, monkeypatch, shared_ray):
+    """On the local instance conftest.py shares with the trainer's modules (measure_links uses the caller's
+    instance; it would start one of its own otherwise)."""
     monkeypatch.setenv("RAYVIT_HOME", str(tmp_path))
     from rayvit.projection.collectives import KINDS, measure_links
 
-    import ray
-
-    try:
-        links = measure_links(2, model=load_config(DEFAULT).to_dict(), batch=4, repeats=3)
-    finally:
-        ray.shutdown()        # it started a local instance in this process: later modules start their own
+    links = measure_links(2, model=load_config(DEFAULT).to_dict(), batch=4, repeats=3)
     assert links["backend"] == "gloo" and links["world_size"] == 2 and links["nodes"] == 1
     assert set(links["collectives"]) == set(KINDS)
     for c in links["collectives"].values():
