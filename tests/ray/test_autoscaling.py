@@ -118,15 +118,13 @@ def cluster():
                 time.sleep(1)
         yield {"address": address, "env": env, "tmp": tmp, "store": f"sqlite:///{tmp}/mlflow.db"}
     finally:
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                pass
+        # SIGKILL at once, as clusters.Cluster stops its nodes: `ray start --block` spent the whole 5 s it
+        # was given to exit on SIGTERM, and whatever it would have cleaned up is killed below anyway.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
         # The fake nodes are raylets the autoscaler spawned; they share our temp dir, whatever their group.
         for pid in pids_mentioning(ray_tmp):
             try:
