@@ -8,6 +8,10 @@ as a local instance has) through ``RAY_ADDRESS``, instead of each command starti
 instance of its own. The head keeps its own ``--temp-dir`` (so its ``ray_current_cluster`` file is
 there, not in /tmp/ray, and no command without ``RAY_ADDRESS`` attaches to it) and is stopped by
 killing its own process group (``clusters.Cluster``).
+
+The default sweep runs in the background while the attached tests run (its tests come last, and wait
+for it): each side spends much of its time waiting on process start-up, which the other fills. The two
+write to separate stores.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,20 +36,37 @@ from clusters import Cluster, clean_env
 from shared import cli_env, FEW_STEPS, SCRIPT
 
 
-
 # -- planning ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
+    """The default sweep's store and environment: a fresh root, as a user's first run finds it."""
     root = tmp_path_factory.mktemp("sweeps")
     return root, cli_env(root)
 
 
 @pytest.fixture(scope="module")
-def shared_head(tmp_path_factory):
-    """A ``ray start`` head the later CLI runs attach to (started when the first test asks for it, after
-    the default sweep has run on its own local instance)."""
+def _default_sweep_started(store):
+    """The default sweep, started in the background as soon as a test of this module needs it or the
+    module's head (it mostly waits on its local instance's start-up and on its worker groups, which the
+    other tests' commands fill), with no address: it starts a local instance of its own. Killed at the
+    module's end if no test waited for it."""
+    root, env = store
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--name", "default", *FEW_STEPS], env=env, cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def shared_head(tmp_path_factory, _default_sweep_started):
+    """A ``ray start`` head the other CLI runs attach to. Its ``ray_current_cluster`` file is in its own
+    temp dir, so the default sweep, running meanwhile with no address, never finds it."""
     token = secrets.token_hex(32)
     cluster = Cluster(tmp_path_factory.mktemp("head"), clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
                       prefix="rvsw")
@@ -57,10 +79,19 @@ def shared_head(tmp_path_factory):
         assert not stray, f"Ray processes left behind: {stray}"
 
 
+@pytest.fixture(scope="module")
+def _attached_store(tmp_path_factory, _mlflow_template):
+    """The attached runs' store, apart from the default sweep's (two commands write at once): a copy of
+    the session's empty store, its tables already made."""
+    root = tmp_path_factory.mktemp("attached-sweeps")
+    shutil.copyfile(_mlflow_template, root / "mlflow.db")
+    return root, cli_env(root)
+
+
 @pytest.fixture
-def attached(store, shared_head):
-    """The store's CLI environment, attached to the module's head (its address and token)."""
-    root, env = store
+def attached(_attached_store, shared_head):
+    """A CLI environment attached to the module's head (its address and token), with its own store."""
+    root, env = _attached_store
     return root, {**env, "RAY_ADDRESS": shared_head.address, "RAY_AUTH_TOKEN": shared_head.env["RAY_AUTH_TOKEN"]}
 
 
@@ -83,13 +114,162 @@ def _parent(client, experiment, sweep):
 
 
 @pytest.fixture(scope="module")
-def default_sweep(store):
+def default_sweep(store, _default_sweep_started):
     root, env = store
-    start = time.monotonic()
-    proc = run_cli(env, "--name", "default", *FEW_STEPS)
+    started, start = _default_sweep_started
+    out, err = started.communicate(timeout=400)
+    proc = subprocess.CompletedProcess(started.args, started.returncode, out, err)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     print(f"default sweep: {time.monotonic() - start:.0f} s")
     return proc, MlflowClient(env["MLFLOW_TRACKING_URI"])
+
+
+@pytest.mark.slow
+def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(attached):
+    root, env = attached
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    sweep = ["--name", "resume", "--set", "sweep.strategies=ddp", *FEW_STEPS]
+
+    # 1. The only point crashes (an injected fault, no retries): recorded, exit status 1.
+    proc = run_cli(env, *sweep, "--set", "sweep.worker_counts=1", "--set", "train.fail_at_step=3")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED ddp/w1" in proc.stdout
+    parent = _parent(client, "cpu_default", "resume")
+    assert parent.info.status == "FAILED"
+    (failed,) = _children(client, parent.info.run_id)
+    assert failed.info.status == "FAILED" and "injected fault on rank 0 at step 3" in failed.data.tags["rayvit.error"]
+
+    # 2. Rerun with one more strategy: the failed point runs again and the missing one runs. (One worker
+    # each: the points' count is what matters here, and a 2-worker point would add the links' benchmark.)
+    both = ["--set", "sweep.strategies=ddp,fsdp"]
+    proc = run_cli(env, *sweep, *both, "--set", "sweep.worker_counts=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 points ran, 0 reused, 0 failed" in proc.stdout
+    children = _children(client, parent.info.run_id)
+    assert sorted((c.data.tags["rayvit.point"], c.info.status) for c in children) == [
+        ("ddp/w1", "FAILED"), ("ddp/w1", "FINISHED"), ("fsdp/w1", "FINISHED")]
+    assert _parent(client, "cpu_default", "resume").info.run_id == parent.info.run_id
+
+    # 3. A point that cannot fit this 2-CPU cluster stops the sweep before anything runs or is recorded.
+    proc = run_cli(env, *sweep, *both, "--set", "sweep.worker_counts=1,3")
+    assert proc.returncode == 2 and "asked for 3 workers" in proc.stderr, proc.stderr[-3000:]
+    assert len(_children(client, parent.info.run_id)) == 3
+
+    # 4. Everything finished: nothing runs again, the summary comes from the store.
+    proc = run_cli(env, *sweep, *both, "--set", "sweep.worker_counts=1")
+    assert proc.returncode == 0 and "0 points ran, 2 reused, 0 failed" in proc.stdout
+    assert len(_children(client, parent.info.run_id)) == 3
+    for strategy in ("ddp", "fsdp"):
+        history = client.get_metric_history(parent.info.run_id, f"tflops_per_chip/{strategy}")
+        assert [m.step for m in history] == [1]
+
+
+@pytest.mark.slow
+def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(attached, tmp_path):
+    root, env = attached
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    printed, errors = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(printed, "w") as stdout, open(errors, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--name", "interrupted", "--set", "sweep.strategies=ddp",
+                                 "--set", "sweep.worker_counts=1", "--set", "train.steps=5000",
+                                 "--set", "train.report_every=5000"],
+                                env=env, cwd="/", stdout=stdout, stderr=stderr, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            exp = client.get_experiment_by_name("cpu_default")
+            running = exp and client.search_runs(
+                [exp.experiment_id], "tags.`rayvit.sweep` = 'interrupted' and tags.`rayvit.kind` = 'point'")
+            if running:
+                break
+            time.sleep(0.5)
+        # Inside Ray Train's fit(), which installs its own SIGINT handling: its workers are training (the
+        # first step's progress line is out), rather than a fixed wait after the record that a busy
+        # machine could outlast.
+        while time.monotonic() < deadline and proc.poll() is None and not re.search(
+                r"ddp/w1: (round \d/\d, )?step \d+/5000", printed.read_text()):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out, err = printed.read_text(), errors.read_text()
+    assert re.search(r"ddp/w1: (round \d/\d, )?step \d+/5000", out), out[-2000:] + err[-2000:]
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "rerun with the same --name to resume" in err
+    parent = _parent(client, "cpu_default", "interrupted")
+    assert parent.info.status == "KILLED"
+    (child,) = _children(client, parent.info.run_id)
+    assert child.info.status == "KILLED" and "interrupted" in child.data.tags["rayvit.error"]
+
+
+@pytest.mark.slow
+def test_a_killed_driver_is_resumed_measuring_only_what_is_missing(attached):
+    """SIGKILL (no handler runs) once the 1-worker group is recorded, during the 2-worker group: the rerun
+    reuses the finished points, closes the ones the dead driver left running, and measures only those."""
+    root, env = attached
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    sweep = [sys.executable, str(SCRIPT), "--name", "killed", "--set", "sweep.strategies=ddp,fsdp",
+             "--set", "sweep.rounds=2", *FEW_STEPS]
+    proc = subprocess.Popen(sweep, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            exp = client.get_experiment_by_name("cpu_default")
+            runs = exp and client.search_runs([exp.experiment_id], "tags.`rayvit.sweep` = 'killed' and "
+                                                                   "tags.`rayvit.kind` = 'point'")
+            if runs and len([r for r in runs if r.info.status == "FINISHED"]) == 2 and len(runs) == 4:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    parent = _parent(client, "cpu_default", "killed")
+    before = {c.data.tags["rayvit.point"]: c.info.status for c in _children(client, parent.info.run_id)}
+    assert before == {"ddp/w1": "FINISHED", "fsdp/w1": "FINISHED", "ddp/w2": "RUNNING", "fsdp/w2": "RUNNING"}
+
+    again = run_cli(env, *sweep[2:])
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "ddp/w2, fsdp/w2: left running by a driver that stopped; measuring again" in again.stdout
+    assert "2 points ran, 2 reused, 0 failed" in again.stdout
+    assert "running ddp, fsdp @ 2 workers" in again.stdout and "@ 1 worker " not in again.stdout
+    after = sorted((c.data.tags["rayvit.point"], c.info.status) for c in _children(client, parent.info.run_id))
+    assert after == [("ddp/w1", "FINISHED"), ("ddp/w2", "FINISHED"), ("ddp/w2", "KILLED"),
+                     ("fsdp/w1", "FINISHED"), ("fsdp/w2", "FINISHED"), ("fsdp/w2", "KILLED")]
+
+
+@pytest.mark.slow
+def test_the_ladder_measures_its_rungs_on_one_worker_group(attached):
+    root, env = attached
+    env = {**env, "RAYVIT_HOME": str(root / "ladder-home")}      # its Ray Train runs alone in their folder
+    proc = run_cli(env, "--config", str(SCRIPT.parent / "configs" / "ladder_cpu.yaml"), "--name", "ladder",
+                   "--set", "sweep.rungs=baseline,mixed_precision,fsdp", "--set", "parallel.num_workers=1",
+                   "--set", "sweep.rounds=2", *FEW_STEPS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "running baseline, mixed_precision, fsdp @ 1 worker on one worker group, 2 interleaved rounds" in out
+    assert "3 points ran, 0 reused, 0 failed" in out
+    assert re.search(r"^baseline\s+done\s+1\s.*1\.00x \(1\.00-1\.00\)\s+the baseline\s", out, re.M)
+    assert re.search(r"^fsdp\s+done\s+1\s.*[\d.]+x \([\d.]+-[\d.]+\)\s+(faster than|slower than|within noise "
+                     r"of) the baseline\s", out, re.M)
+    # One Ray Train run for the three rungs.
+    runs = [r.name for r in (root / "ladder-home" / "ray_results").glob("rayvit-*")]
+    assert len(runs) == 1 and runs[0].startswith("rayvit-group-1w-"), runs
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    parent = _parent(client, "ladder_cpu", "ladder")
+    rungs = {c.data.tags["rayvit.point"]: c for c in _children(client, parent.info.run_id)}
+    assert set(rungs) == {"0-baseline/w1", "1-mixed_precision/w1", "2-fsdp/w1"}
+    for c in rungs.values():
+        m = c.data.metrics
+        assert m["relative_throughput_lo"] <= m["relative_throughput"] <= m["relative_throughput_hi"]
+
+
+# -- the default sweep (run in the background while the tests above ran) -----------------------------
 
 
 @pytest.mark.slow
@@ -251,138 +431,3 @@ def test_the_mlflow_ui_shows_every_strategy_against_chips_within_two_clicks(defa
     # The study's other curves come with it, against chips too.
     assert {"speedup_vs_ddp", "images_per_sec_per_chip", "mfu"} <= {t["metric"] for t in traces}
     assert {t["xTitle"] for t in traces if t["visible"]} == {"chips"}
-
-
-@pytest.mark.slow
-def test_failed_point_is_recorded_and_rerun_resumes_only_missing_points(attached):
-    root, env = attached
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    sweep = ["--name", "resume", "--set", "sweep.strategies=ddp", *FEW_STEPS]
-
-    # 1. The only point crashes (an injected fault, no retries): recorded, exit status 1.
-    proc = run_cli(env, *sweep, "--set", "sweep.worker_counts=1", "--set", "train.fail_at_step=3")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FAILED ddp/w1" in proc.stdout
-    parent = _parent(client, "cpu_default", "resume")
-    assert parent.info.status == "FAILED"
-    (failed,) = _children(client, parent.info.run_id)
-    assert failed.info.status == "FAILED" and "injected fault on rank 0 at step 3" in failed.data.tags["rayvit.error"]
-
-    # 2. Rerun with one more strategy: the failed point runs again and the missing one runs. (One worker
-    # each: the points' count is what matters here, and a 2-worker point would add the links' benchmark.)
-    both = ["--set", "sweep.strategies=ddp,fsdp"]
-    proc = run_cli(env, *sweep, *both, "--set", "sweep.worker_counts=1")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "2 points ran, 0 reused, 0 failed" in proc.stdout
-    children = _children(client, parent.info.run_id)
-    assert sorted((c.data.tags["rayvit.point"], c.info.status) for c in children) == [
-        ("ddp/w1", "FAILED"), ("ddp/w1", "FINISHED"), ("fsdp/w1", "FINISHED")]
-    assert _parent(client, "cpu_default", "resume").info.run_id == parent.info.run_id
-
-    # 3. A point that cannot fit this 2-CPU cluster stops the sweep before anything runs or is recorded.
-    proc = run_cli(env, *sweep, *both, "--set", "sweep.worker_counts=1,3")
-    assert proc.returncode == 2 and "asked for 3 workers" in proc.stderr, proc.stderr[-3000:]
-    assert len(_children(client, parent.info.run_id)) == 3
-
-    # 4. Everything finished: nothing runs again, the summary comes from the store.
-    proc = run_cli(env, *sweep, *both, "--set", "sweep.worker_counts=1")
-    assert proc.returncode == 0 and "0 points ran, 2 reused, 0 failed" in proc.stdout
-    assert len(_children(client, parent.info.run_id)) == 3
-    for strategy in ("ddp", "fsdp"):
-        history = client.get_metric_history(parent.info.run_id, f"tflops_per_chip/{strategy}")
-        assert [m.step for m in history] == [1]
-
-
-@pytest.mark.slow
-def test_ctrl_c_marks_the_running_point_and_the_sweep_killed(attached):
-    root, env = attached
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--name", "interrupted", "--set", "sweep.strategies=ddp",
-                             "--set", "sweep.worker_counts=1", "--set", "train.steps=5000",
-                             "--set", "train.report_every=5000"],
-                            env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            exp = client.get_experiment_by_name("cpu_default")
-            running = exp and client.search_runs(
-                [exp.experiment_id], "tags.`rayvit.sweep` = 'interrupted' and tags.`rayvit.kind` = 'point'")
-            if running:
-                break
-            time.sleep(0.5)
-        time.sleep(5)  # inside Ray Train's fit(), which installs its own SIGINT handling
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, out[-2000:] + err[-2000:]
-    assert "rerun with the same --name to resume" in err
-    parent = _parent(client, "cpu_default", "interrupted")
-    assert parent.info.status == "KILLED"
-    (child,) = _children(client, parent.info.run_id)
-    assert child.info.status == "KILLED" and "interrupted" in child.data.tags["rayvit.error"]
-
-
-@pytest.mark.slow
-def test_a_killed_driver_is_resumed_measuring_only_what_is_missing(attached):
-    """SIGKILL (no handler runs) once the 1-worker group is recorded, during the 2-worker group: the rerun
-    reuses the finished points, closes the ones the dead driver left running, and measures only those."""
-    root, env = attached
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    sweep = [sys.executable, str(SCRIPT), "--name", "killed", "--set", "sweep.strategies=ddp,fsdp",
-             "--set", "sweep.rounds=2", *FEW_STEPS]
-    proc = subprocess.Popen(sweep, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            exp = client.get_experiment_by_name("cpu_default")
-            runs = exp and client.search_runs([exp.experiment_id], "tags.`rayvit.sweep` = 'killed' and "
-                                                                   "tags.`rayvit.kind` = 'point'")
-            if runs and len([r for r in runs if r.info.status == "FINISHED"]) == 2 and len(runs) == 4:
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        proc.kill()
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    parent = _parent(client, "cpu_default", "killed")
-    before = {c.data.tags["rayvit.point"]: c.info.status for c in _children(client, parent.info.run_id)}
-    assert before == {"ddp/w1": "FINISHED", "fsdp/w1": "FINISHED", "ddp/w2": "RUNNING", "fsdp/w2": "RUNNING"}
-
-    again = run_cli(env, *sweep[2:])
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "ddp/w2, fsdp/w2: left running by a driver that stopped; measuring again" in again.stdout
-    assert "2 points ran, 2 reused, 0 failed" in again.stdout
-    assert "running ddp, fsdp @ 2 workers" in again.stdout and "@ 1 worker " not in again.stdout
-    after = sorted((c.data.tags["rayvit.point"], c.info.status) for c in _children(client, parent.info.run_id))
-    assert after == [("ddp/w1", "FINISHED"), ("ddp/w2", "FINISHED"), ("ddp/w2", "KILLED"),
-                     ("fsdp/w1", "FINISHED"), ("fsdp/w2", "FINISHED"), ("fsdp/w2", "KILLED")]
-
-
-@pytest.mark.slow
-def test_the_ladder_measures_its_rungs_on_one_worker_group(attached):
-    root, env = attached
-    env = {**env, "RAYVIT_HOME": str(root / "ladder-home")}      # its Ray Train runs alone in their folder
-    proc = run_cli(env, "--config", str(SCRIPT.parent / "configs" / "ladder_cpu.yaml"), "--name", "ladder",
-                   "--set", "sweep.rungs=baseline,mixed_precision,fsdp", "--set", "parallel.num_workers=1",
-                   "--set", "sweep.rounds=2", *FEW_STEPS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
-    assert "running baseline, mixed_precision, fsdp @ 1 worker on one worker group, 2 interleaved rounds" in out
-    assert "3 points ran, 0 reused, 0 failed" in out
-    assert re.search(r"^baseline\s+done\s+1\s.*1\.00x \(1\.00-1\.00\)\s+the baseline\s", out, re.M)
-    assert re.search(r"^fsdp\s+done\s+1\s.*[\d.]+x \([\d.]+-[\d.]+\)\s+(faster than|slower than|within noise "
-                     r"of) the baseline\s", out, re.M)
-    # One Ray Train run for the three rungs.
-    runs = [r.name for r in (root / "ladder-home" / "ray_results").glob("rayvit-*")]
-    assert len(runs) == 1 and runs[0].startswith("rayvit-group-1w-"), runs
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    parent = _parent(client, "ladder_cpu", "ladder")
-    rungs = {c.data.tags["rayvit.point"]: c for c in _children(client, parent.info.run_id)}
-    assert set(rungs) == {"0-baseline/w1", "1-mixed_precision/w1", "2-fsdp/w1"}
-    for c in rungs.values():
-        m = c.data.metrics
-        assert m["relative_throughput_lo"] <= m["relative_throughput"] <= m["relative_throughput_hi"]
