@@ -134,7 +134,25 @@ def vit_b16(**overrides):
 # -- two gloo ranks in spawned processes, and what they send ---------------------------------------
 
 
-def _entry(rank: int, folder: str, fn, args: tuple) -> None:
+# The ranks are forked from a forkserver that has imported torch and rayvit's worker once (multiprocessing
+# starts it at the first call and keeps it for the session): a fresh interpreter per call (``spawn``)
+# spent about a second per rank importing them. Each rank is still a new process of its own, forked from
+# a server that never ran anything, so no call sees another's state (or this process's: a server is no
+# fork of pytest). The server's sys.path, working directory and environment are those of its start; each
+# rank takes this process's current ones before it unpickles its function, as a spawned rank would.
+_PRELOAD = ["torch", "torch.distributed", "rayvit.config", "rayvit.worker", "shared"]
+
+
+def _entry(rank: int, folder: str, state: tuple, payload: bytes) -> None:
+    import pickle
+    import sys
+
+    path, cwd, environ = state
+    sys.path[:] = path
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    fn, args = pickle.loads(payload)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     try:
         torch.save(fn(rank, *args), f"{folder}/rank{rank}.pt")
@@ -143,9 +161,16 @@ def _entry(rank: int, folder: str, fn, args: tuple) -> None:
 
 
 def two_ranks(tmp_path, fn, *args) -> list:
-    """Run ``fn(rank, *args)`` on two gloo ranks (spawned processes, no Ray); their return values, rank 0
+    """Run ``fn(rank, *args)`` on two gloo ranks (new processes, no Ray); their return values, rank 0
     first. ``fn`` must be importable by name (a module-level function)."""
-    mp.spawn(_entry, args=(str(tmp_path), fn, args), nprocs=2, join=True)
+    import multiprocessing
+    import pickle
+    import sys
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    state = (list(sys.path), os.getcwd(), dict(os.environ))
+    mp.start_processes(_entry, args=(str(tmp_path), state, pickle.dumps((fn, args))), nprocs=2, join=True,
+                       start_method="forkserver")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
