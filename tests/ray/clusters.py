@@ -18,8 +18,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -159,3 +160,17 @@ class Cluster:
         stray = pids_mentioning(self.temp_dir) + [pid for p in procs for pid in pids_in_group(p.pid)]
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return stray
+
+
+@contextmanager
+def running_head(logs: Path, env: dict[str, str], *, prefix: str, num_cpus: int = 2) -> Iterator[Cluster]:
+    """A one-node cluster (its head, dashboard up) for the ``with`` block; stopped after it, and no Ray
+    process of it may be left behind."""
+    cluster = Cluster(logs, env, prefix=prefix)
+    cluster.start_head(num_cpus=num_cpus)
+    try:
+        cluster.wait_dashboard()
+        yield cluster
+    finally:
+        stray = cluster.stop()
+        assert not stray, f"Ray processes left behind: {stray}"

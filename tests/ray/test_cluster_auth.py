@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from clusters import Cluster, clean_env
+from clusters import clean_env, running_head
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +30,11 @@ RAY = str(Path(sys.executable).with_name("ray"))
 @pytest.fixture(scope="module")
 def open_cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")               # empty: no ~/.ray/auth_token
-    cluster = Cluster(tmp_path_factory.mktemp("auth-off"), clean_env(HOME=str(home)), prefix="rvoff")
-    cluster.start_head(num_cpus=2)
-    try:
-        cluster.wait_dashboard()
+    with running_head(tmp_path_factory.mktemp("auth-off"), clean_env(HOME=str(home)), prefix="rvoff") as cluster:
         mode = json.loads(urllib.request.urlopen(cluster.dashboard_url + "/api/authentication_mode",
                                                  timeout=10).read())
         assert mode == {"authentication_mode": "disabled"}, mode
         yield cluster
-    finally:
-        stray = cluster.stop()
-        assert not stray, f"Ray processes left behind: {stray}"
 
 
 def test_local_instance_keeps_token_authentication_quietly(tmp_path):

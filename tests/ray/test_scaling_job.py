@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from clusters import Cluster, clean_env
+from clusters import clean_env, running_head
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +34,8 @@ def token_cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("job")
     home = tmp_path_factory.mktemp("head-home")        # empty: no ~/.ray/auth_token to fall back on
     env = clean_env(HOME=str(home), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-    cluster = Cluster(logs, env, prefix="rvjob")
-    cluster.start_head(num_cpus=2)
-    try:
-        cluster.wait_dashboard()
+    with running_head(logs, env, prefix="rvjob") as cluster:
         yield cluster
-    finally:
-        stray = cluster.stop()
-        assert not stray, f"Ray processes left behind: {stray}"
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import pytest
 from mlflow import MlflowClient
 
 import browser
-from clusters import Cluster, clean_env
+from clusters import clean_env, running_head
 
 from shared import cli_env, FEW_STEPS, SCRIPT
 
@@ -68,15 +68,9 @@ def shared_head(tmp_path_factory, _default_sweep_started):
     """A ``ray start`` head the other CLI runs attach to. Its ``ray_current_cluster`` file is in its own
     temp dir, so the default sweep, running meanwhile with no address, never finds it."""
     token = secrets.token_hex(32)
-    cluster = Cluster(tmp_path_factory.mktemp("head"), clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
-                      prefix="rvsw")
-    cluster.start_head(num_cpus=2)
-    try:
-        cluster.wait_dashboard()
+    with running_head(tmp_path_factory.mktemp("head"), clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+                      prefix="rvsw") as cluster:
         yield cluster
-    finally:
-        stray = cluster.stop()
-        assert not stray, f"Ray processes left behind: {stray}"
 
 
 @pytest.fixture(scope="module")
