@@ -91,7 +91,18 @@ def _segment(seconds: float, device):
     each = min(_timed_plain(lambda: work(20), device) for _ in range(5)) / 20
     count = torch.tensor([max(1.0, seconds / each)], dtype=torch.float64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return lambda: work(int(count.item()))
+    agreed = int(count.item())
+    return lambda: work(agreed)
+
+
+def _buffers(size: int, device):
+    """(whole array of about ``size`` bytes, one rank's shard of it), fp32, divisible by the world size."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    numel = max(n, size // 4 // n * n)
+    return torch.ones(numel, device=device), torch.ones(numel // n, device=device)
 
 
 def _in_step(op, device, repeats: int, segment) -> float:
@@ -124,23 +135,20 @@ def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_
                      ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
     """``({kind: [[bytes, seconds], ...]} in a step (means), the same barrier-aligned (medians))``; sizes
     as nccl-tests counts them (whole array), fp32."""
-    import torch
     import torch.distributed as dist
 
-    n = dist.get_world_size()
     segment = _segment(segment_s, device)
     in_step: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     aligned: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     for size in sizes:
-        numel = max(n, size // 4 // n * n)
-        buf = torch.ones(numel, device=device)
-        shard = torch.ones(numel // n, device=device)
+        buf, shard = _buffers(size, device)
+        nbytes = float(buf.numel() * 4)
         for kind in KINDS:
             op = lambda: _run(kind, buf, shard, dist)  # noqa: E731
             for _ in range(warmup):
                 op()
-            aligned[kind].append([float(numel * 4), _timed(op, device, repeats)])
-            in_step[kind].append([float(numel * 4), _in_step(op, device, 2 * repeats, segment)])
+            aligned[kind].append([nbytes, _timed(op, device, repeats)])
+            in_step[kind].append([nbytes, _in_step(op, device, 2 * repeats, segment)])
     return in_step, aligned
 
 
@@ -151,12 +159,9 @@ def wait_probe(device, repeats: int = 150, segment_s: float = 2e-3) -> float:
     """One reading of the host's wait for the slowest rank, for a sweep's worker group to take between
     its rounds: a small all-gather issued after compute segments (mean), less the same all-gather
     barrier-aligned (median). About ``repeats`` x (segment + 1 ms); every rank must call it alike."""
-    import torch
     import torch.distributed as dist
 
-    n = dist.get_world_size()
-    numel = max(n, WAIT_PROBE_BYTES // 4 // n * n)
-    buf, shard = torch.ones(numel, device=device), torch.ones(numel // n, device=device)
+    buf, shard = _buffers(WAIT_PROBE_BYTES, device)
     op = lambda: _run("all_gather", buf, shard, dist)  # noqa: E731
     op()
     aligned = _timed(op, device, 15)
