@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-import ray
 
 logger = logging.getLogger(__name__)
 
@@ -70,47 +67,10 @@ def release_orphaned_placement_groups(job_id: str) -> list[str]:
     return removed
 
 
-def _tune_callback():
-    from ray import tune
-
-    return tune.Callback
-
-
-class PlacementGroupReleaser(_tune_callback()):
-    """Tune callback: frees placement groups left by stopped trials, about once a second and at each trial end."""
-
-    def __init__(self, interval_s: float = 1.0):
-        self.job_id = ray.get_runtime_context().get_job_id()
-        self.interval_s = interval_s
-        self.released: list[str] = []
-        self._next = 0.0
-
-    def _sweep(self) -> None:
-        self._next = time.monotonic() + self.interval_s
-        freed = release_orphaned_placement_groups(self.job_id)
-        if freed:
-            logger.info("released %d placement group(s) left by stopped trials", len(freed))
-            self.released += freed
-
-    def on_step_end(self, iteration, trials, **info):
-        if time.monotonic() >= self._next:
-            self._sweep()
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._next = 0.0     # the stopped trial's controller dies shortly after: look again soon
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._next = 0.0
-
-    def drain(self, timeout_s: float = 15.0) -> None:
-        """After the last trial: wait until no Train run of this job holds a group, freeing orphans."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._sweep()
-            if not _actor_placement_groups(self.job_id):
-                return
-            time.sleep(0.5)
-        logger.warning("placement groups of this search are still reserved after %.0f s", timeout_s)
+def job_holds_actor_placement_groups(job_id: str) -> bool:
+    """Whether an actor of ``job_id`` (a Train controller) still holds a live placement group; False when
+    this Ray no longer exposes the table."""
+    return bool(_actor_placement_groups(job_id))
 
 
 def route_worker_output(handler, keep_ray_printer: bool = False) -> bool:

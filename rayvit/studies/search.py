@@ -37,7 +37,6 @@ from ray import tune
 
 from rayvit.config import Config, Study
 from rayvit.launch import compat
-from rayvit.launch.compat import PlacementGroupReleaser
 from rayvit.record import tracking
 from rayvit.record.tables import fmt
 from rayvit.results import RunResult
@@ -347,7 +346,7 @@ def _trials(run: StudyRun, plan: SearchPlan, baseline: Outcome, parallel: int,
             out(f"warning: could not record trial {o.point.key} in MLflow: {e}")
         out(progress_line(o, plan, baseline))
     live["finish"] = finish
-    releaser = PlacementGroupReleaser()
+    releaser = trials.PlacementGroupReleaser()
     channel = ProgressChannel(trials.TrialProgress(plan, out))
     trainable = tune.with_resources(
         tune.with_parameters(trials.trial_trainable, base=study.run.to_dict(), search=dataclasses.asdict(s),

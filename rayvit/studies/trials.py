@@ -8,6 +8,8 @@
 - :class:`InterruptStop`: a Tune stopper that ends every trial when the search is interrupted.
 - :class:`TrialRecorder`: the driver's callback: a line when a trial starts, its verdict when it ends,
   its MLflow child run.
+- :class:`PlacementGroupReleaser`: the driver's callback that frees the placement groups stopped trials
+  leave reserved (ray-project/ray#54305, through :mod:`rayvit.launch.compat`).
 
 Tune pickles searchers, stoppers and callbacks into its experiment state; what lives only in this
 driver (the output function, the MLflow record, the interrupt flag) is looked up by search name in
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import pickle
@@ -26,16 +29,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import ray
 from ray import tune
 from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from rayvit.config import Config, SearchConfig, from_dict
+from rayvit.launch import compat
 from rayvit.results import RunResult
 from rayvit.studies.judge import accuracy_excess, is_divergence, judge, objective_value, speedup
 from rayvit.studies.plan import Point, SearchPlan, setting_label
 from rayvit.studies.runner import Outcome, Progress
 from rayvit.studies.screen import beats_reference
+
+logger = logging.getLogger(__name__)
 
 # What a trial's final tune.report carries besides the figures.
 STATUS_KEY = "rayvit_status"      # done | diverged | failed (absent: stopped before its final report)
@@ -311,6 +318,44 @@ class TrialRecorder(tune.Callback):
                           interrupted=bool(live.get("interrupted")))
         live["outcomes"][label] = o
         live["finish"](o)
+
+
+class PlacementGroupReleaser(tune.Callback):
+    """Frees placement groups left by stopped trials (:func:`rayvit.launch.compat.release_orphaned_placement_groups`),
+    about once a second and at each trial end."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.job_id = ray.get_runtime_context().get_job_id()
+        self.interval_s = interval_s
+        self.released: list[str] = []
+        self._next = 0.0
+
+    def _sweep(self) -> None:
+        self._next = time.monotonic() + self.interval_s
+        freed = compat.release_orphaned_placement_groups(self.job_id)
+        if freed:
+            logger.info("released %d placement group(s) left by stopped trials", len(freed))
+            self.released += freed
+
+    def on_step_end(self, iteration, trials, **info):
+        if time.monotonic() >= self._next:
+            self._sweep()
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._next = 0.0     # the stopped trial's controller dies shortly after: look again soon
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._next = 0.0
+
+    def drain(self, timeout_s: float = 15.0) -> None:
+        """After the last trial: wait until no Train run of this job holds a group, freeing orphans."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._sweep()
+            if not compat.job_holds_actor_placement_groups(self.job_id):
+                return
+            time.sleep(0.5)
+        logger.warning("placement groups of this search are still reserved after %.0f s", timeout_s)
 
 
 def grid_outcomes(plan: SearchPlan, grid, live: dict[str, Any]) -> list[Outcome]:
