@@ -7,6 +7,12 @@ stop every Ray process on the machine, including other people's. A job inherits 
 token included; ``ray job submit`` itself needs the token too (``RAY_AUTH_MODE=token`` and
 ``RAY_AUTH_TOKEN`` in the submitting shell). The same sweep on a cluster without authentication is in
 test_cluster_auth.py.
+
+The job is submitted as soon as the head is up (``sweep_job``, for every test of the module) and runs
+while the token tests run against the same head; its test comes last and waits for it. ``ray job
+submit`` spends seconds on one core packaging and uploading the working dir, and the job's driver and
+workers starting, which the short tests' processes fill. Those tests start no actor (the job test
+counts the head's Train controllers) and check the cluster's total CPUs, not what is free.
 """
 
 from __future__ import annotations
@@ -43,38 +49,34 @@ def head(token_cluster, tmp_path_factory):
     return token_cluster.dashboard_url, token_cluster.env, tmp_path_factory.mktemp("job-records")
 
 
-def test_sweep_as_a_ray_job(head):
+@pytest.fixture(scope="module", autouse=True)
+def sweep_job(head):
+    """``ray job submit`` of a 2-point sweep, started in the background when the head is up; its output
+    (stdout and stderr) goes to a file. If no test waited for it, the job is stopped at the module's end:
+    Ray starts a job's driver in a session of its own, which stopping the head would not end."""
     url, env, tmp = head
     store = f"sqlite:///{tmp}/mlflow.db"
     runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": store, "RAYVIT_HOME": str(tmp / "home")}}
+    submission = f"rayvit-as-job-{secrets.token_hex(4)}"
     cmd = [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".",
-           "--runtime-env-json", json.dumps(runtime_env), "--",
+           "--submission-id", submission, "--runtime-env-json", json.dumps(runtime_env), "--",
            sys.executable, "experiments/scaling.py", "--name", "as-job",
            "--set", "sweep.strategies=ddp,fsdp", "--set", "sweep.worker_counts=2",
            "--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "succeeded" in out and "2 points ran, 0 reused, 0 failed" in out
-
-    # The job ran in a temporary copy of the repo; its records must still be in the store we named.
-    client = MlflowClient(store)
-    exp = client.get_experiment_by_name("cpu_default")
-    (parent,) = client.search_runs([exp.experiment_id], "tags.`rayvit.kind` = 'sweep'")
-    assert parent.data.tags["rayvit.sweep"] == "as-job" and parent.info.status == "FINISHED"
-    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
-                                                       "and tags.`rayvit.kind` = 'point'")
-    assert sorted(c.data.tags["rayvit.point"] for c in children) == ["ddp/w2", "fsdp/w2"]
-    assert all(c.info.status == "FINISHED" for c in children)
-    assert {"results.parquet", "scaling.png"} <= {f.path for f in client.list_artifacts(parent.info.run_id)}
-    # The job's driver attached to this head (its Train controllers ran here) instead of starting its own.
-    actors = subprocess.run([str(BIN / "ray"), "list", "actors", "--address", url, "--filter",
-                             "class_name=TrainController", "--format", "json"], env=env, capture_output=True,
-                            text=True, timeout=60)
-    assert actors.returncode == 0, actors.stderr[-2000:]
-    # One controller for both points: they shared one worker group (interleaved rounds), and the links
-    # were measured on its workers, with no run of their own.
-    assert len(json.loads(actors.stdout)) == 1
+    log = tmp / "submit.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc, log, store, time.monotonic() + 400
+    finally:
+        if proc.poll() is None:
+            subprocess.run([str(BIN / "ray"), "job", "stop", "--address", url, submission], env=env,
+                           capture_output=True, timeout=120)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 _ATTACH = ("import sys, ray\n"
@@ -128,3 +130,35 @@ def test_job_submission_without_the_token_is_refused(token_cluster, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "ran" not in proc.stdout, out[-3000:]
     assert "Authentication required" in out, out[-3000:]
+
+
+def test_sweep_as_a_ray_job(head, sweep_job):
+    """Last: the job was submitted when the head came up (``sweep_job``) and ran while the tests above did."""
+    url, env, tmp = head
+    proc, log, store, deadline = sweep_job
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pytest.fail("ray job submit did not end in 400 s:\n" + log.read_text()[-4000:])
+    out = log.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "succeeded" in out and "2 points ran, 0 reused, 0 failed" in out
+
+    # The job ran in a temporary copy of the repo; its records must still be in the store we named.
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("cpu_default")
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`rayvit.kind` = 'sweep'")
+    assert parent.data.tags["rayvit.sweep"] == "as-job" and parent.info.status == "FINISHED"
+    children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
+                                                       "and tags.`rayvit.kind` = 'point'")
+    assert sorted(c.data.tags["rayvit.point"] for c in children) == ["ddp/w2", "fsdp/w2"]
+    assert all(c.info.status == "FINISHED" for c in children)
+    assert {"results.parquet", "scaling.png"} <= {f.path for f in client.list_artifacts(parent.info.run_id)}
+    # The job's driver attached to this head (its Train controllers ran here) instead of starting its own.
+    actors = subprocess.run([str(BIN / "ray"), "list", "actors", "--address", url, "--filter",
+                             "class_name=TrainController", "--format", "json"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert actors.returncode == 0, actors.stderr[-2000:]
+    # One controller for both points: they shared one worker group (interleaved rounds), and the links
+    # were measured on its workers, with no run of their own.
+    assert len(json.loads(actors.stdout)) == 1
