@@ -11,8 +11,10 @@ found". The token-authentication side is in test_scaling_job.py.
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -37,10 +39,42 @@ def open_cluster(tmp_path_factory):
         yield cluster
 
 
+@pytest.fixture(scope="module", autouse=True)
+def sweep_job(open_cluster, tmp_path_factory):
+    """The issue's reproduction, ``ray job submit --working-dir . -- python experiments/scaling.py``, started
+    in the background when the head is up; its output (stdout and stderr) goes to a file. If no test
+    waited for it, the job is stopped at the module's end: Ray starts a job's driver in a session of its
+    own, which stopping the head would not end."""
+    tmp = tmp_path_factory.mktemp("job")
+    store = f"sqlite:///{tmp}/mlflow.db"
+    runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": store, "RAYVIT_HOME": str(tmp / "rv")}}
+    submission = f"rayvit-no-auth-{secrets.token_hex(4)}"
+    cmd = [RAY, "job", "submit", "--address", open_cluster.dashboard_url, "--working-dir", ".",
+           "--submission-id", submission, "--runtime-env-json", json.dumps(runtime_env), "--",
+           sys.executable, "experiments/scaling.py", "--name", "no-auth",
+           "--set", "sweep.strategies=ddp", "--set", "sweep.worker_counts=1",
+           "--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
+    log = tmp / "submit.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=open_cluster.env, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        yield proc, log, store, time.monotonic() + 300
+    finally:
+        if proc.poll() is None:
+            subprocess.run([RAY, "job", "stop", "--address", open_cluster.dashboard_url, submission],
+                           env=open_cluster.env, capture_output=True, timeout=120)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def test_local_instance_keeps_token_authentication_quietly(tmp_path):
     """No address: a local instance, token authentication on (its GCS refuses a call without the
-    token), and without Ray's "Token authentication is enabled" warning. Runs before the module's
-    cluster starts."""
+    token), and without Ray's "Token authentication is enabled" warning. The module's head and its job
+    run meanwhile, in their own temp dir: this instance never finds them."""
     code = ("import ray\nfrom rayvit.launch.connect import cluster_auth_mode, ensure_ray\n"
             "ensure_ray()\nprint('mode:', cluster_auth_mode(ray.get_runtime_context().gcs_address))\n"
             "ray.shutdown()\n")
@@ -49,29 +83,6 @@ def test_local_instance_keeps_token_authentication_quietly(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "mode: token" in proc.stdout, out[-3000:]
     assert "Token authentication is enabled" not in out, out[-3000:]
-
-
-def test_sweep_as_a_job_on_a_cluster_without_authentication(open_cluster, tmp_path):
-    """The issue's reproduction: ``ray job submit --working-dir . -- python experiments/scaling.py``."""
-    store = f"sqlite:///{tmp_path}/mlflow.db"
-    runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": store, "RAYVIT_HOME": str(tmp_path / "rv")}}
-    cmd = [RAY, "job", "submit", "--address", open_cluster.dashboard_url, "--working-dir", ".",
-           "--runtime-env-json", json.dumps(runtime_env), "--",
-           sys.executable, "experiments/scaling.py", "--name", "no-auth",
-           "--set", "sweep.strategies=ddp", "--set", "sweep.worker_counts=1",
-           "--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
-    proc = subprocess.run(cmd, cwd=REPO, env=open_cluster.env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "succeeded" in out and "1 points ran, 0 reused, 0 failed" in out, out[-4000:]
-    assert "AuthenticationError" not in out
-
-    client = MlflowClient(store)
-    exp = client.get_experiment_by_name("cpu_default")
-    (child,) = client.search_runs([exp.experiment_id], "tags.`rayvit.kind` = 'point'")
-    assert child.data.tags["rayvit.point"] == "ddp/w1" and child.info.status == "FINISHED"
-    # Nothing made up a token on the way: the cluster stays as its operator configured it.
-    assert not (Path(open_cluster.env["HOME"]) / ".ray" / "auth_token").exists()
 
 
 def test_driver_with_token_mode_in_its_environment_takes_the_clusters_mode(open_cluster, tmp_path):
@@ -83,3 +94,23 @@ def test_driver_with_token_mode_in_its_environment_takes_the_clusters_mode(open_
     proc = subprocess.run([sys.executable, "-c", code, open_cluster.address], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0 and "attached, CPUs: 2.0" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_sweep_as_a_job_on_a_cluster_without_authentication(open_cluster, sweep_job):
+    """The issue's reproduction (``sweep_job``, submitted when the head came up): last, it waits for the job."""
+    proc, log, store, deadline = sweep_job
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pytest.fail("ray job submit did not end in 300 s:\n" + log.read_text()[-4000:])
+    out = log.read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "succeeded" in out and "1 points ran, 0 reused, 0 failed" in out, out[-4000:]
+    assert "AuthenticationError" not in out
+
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("cpu_default")
+    (child,) = client.search_runs([exp.experiment_id], "tags.`rayvit.kind` = 'point'")
+    assert child.data.tags["rayvit.point"] == "ddp/w1" and child.info.status == "FINISHED"
+    # Nothing made up a token on the way: the cluster stays as its operator configured it.
+    assert not (Path(open_cluster.env["HOME"]) / ".ray" / "auth_token").exists()
