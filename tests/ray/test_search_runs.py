@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -56,24 +57,33 @@ def test_nan_loss_stops_the_trial_cleanly_and_reads_as_diverged(local_ray):
     # An absurd learning rate overflows the weights at the first step: the next loss is NaN/inf.
     study = search_cfg(**{"optim.lr": 1e30, "parallel.num_workers": 1})
     cfg = study.run
-    with pytest.raises(TrainingError) as caught:
-        fit(cfg)
+    # The plain run and the Tune trial below (one worker each, on this module's 2 CPUs) are independent
+    # and mostly wait on Ray Train's start-up: the plain run goes in a thread while the trial runs.
+    with ThreadPoolExecutor(1) as pool:
+        plain = pool.submit(fit, cfg)
+        # Inside a Tune trial the same divergence is reported as a result, not raised as a trial error.
+        [result] = _diverging_trial(study, local_ray)
+        with pytest.raises(TrainingError) as caught:
+            plain.result(timeout=300)
     assert is_divergence(caught.value)
     assert not is_divergence(TrainingError("ddp x 2 workers failed: RuntimeError: out of memory"))
 
-    # Inside a Tune trial the same divergence is reported as a result, not raised as a trial error.
-    from ray import tune
-
-    tuner = tune.Tuner(
-        tune.with_resources(tune.with_parameters(trial_trainable, base=cfg.to_dict(), search_name="div",
-                                                 search=dataclasses.asdict(study.search), baseline_accuracy=0.9),
-                            {"CPU": 0, "node:__internal_head__": 0.001}),
-        run_config=tune.RunConfig(storage_path=str(local_ray / "tune"), verbose=0))
-    [result] = list(tuner.fit())
     assert result.error is None
     assert result.metrics[STATUS_KEY] == "diverged" and "diverged" in result.metrics[ERROR_KEY]
     v = judge("diverged", None, 0.9, study.search, error=result.metrics[ERROR_KEY])
     assert not v.feasible and v.reason.startswith("diverged")
+
+
+def _diverging_trial(study, root):
+    from ray import tune
+
+    cfg = study.run
+    tuner = tune.Tuner(
+        tune.with_resources(tune.with_parameters(trial_trainable, base=cfg.to_dict(), search_name="div",
+                                                 search=dataclasses.asdict(study.search), baseline_accuracy=0.9),
+                            {"CPU": 0, "node:__internal_head__": 0.001}),
+        run_config=tune.RunConfig(storage_path=str(root / "tune"), verbose=0))
+    return list(tuner.fit())
 
 
 def test_screen_times_each_setting_in_a_ray_task_on_one_trial_worker(local_ray):
