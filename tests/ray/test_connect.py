@@ -1,6 +1,7 @@
 """Reaching a cluster and choosing checkpoint storage, without starting Ray.
 
-Unreachable addresses run the real CLI against ports nothing listens on: it must exit with status 2
+Unreachable addresses run the real CLI against ports nothing listens on (started with the tier, see
+``start_unreachable_runs``): it must exit with status 2
 within 30 s, naming the address and what to check (Ray's own connect path retries for minutes). The
 storage checks run on real pyarrow filesystems and on ``ray.nodes()``-shaped node lists; the refusal on
 a real two-node cluster is in test_multinode.py, the auth modes in test_cluster_auth.py and
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -31,68 +34,101 @@ def _scaling(tmp_path: Path, args: list[str], **env: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, start: float) -> tuple[int, str, float]:
-    try:
-        out, _ = proc.communicate(timeout=max(1.0, 60 - (time.monotonic() - start)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return proc.returncode, out, time.monotonic() - start
-
-
 _DEAD_ADDRESS = ("import time; from rayvit.launch.connect import ensure_ray, ClusterUnreachable\n"
                  "t = time.monotonic()\n"
                  "try:\n    ensure_ray()\nexcept ClusterUnreachable as e:\n"
                  "    print(f'{time.monotonic() - t:.1f}|{e}')\n")
 
 
+class _Run:
+    """One unreachable-address command, read to its end by a thread of its own, which notes when it
+    exited: its seconds are its own, however late a test reads them. Killed after 60 s."""
+
+    def __init__(self, address: Optional[str], folder: Path, proc: subprocess.Popen):
+        self.address, self.folder, self.proc = address, folder, proc
+        self.start, self.took = time.monotonic(), None
+        self.out, self.err = "", ""
+        self.thread = threading.Thread(target=self._wait, daemon=True)
+        self.thread.start()
+
+    def _wait(self) -> None:
+        try:
+            self.out, self.err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.out, self.err = self.proc.communicate()
+        self.took = time.monotonic() - self.start
+        self.out, self.err = self.out or "", self.err or ""
+
+    def finish(self) -> "_Run":
+        self.thread.join(90)
+        assert self.took is not None, f"{self.proc.args} still runs"
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.thread.join(90)
+
+
+_STARTED: dict[str, _Run] = {}
+
+
+def start_unreachable_runs(tmp_path_factory) -> dict[str, _Run]:
+    """The three unreachable-address runs, started together: each mostly waits on a connect timeout, so
+    they wait side by side, and beside whatever else runs then. ``tests/ray/conftest.py`` starts them with
+    the tier's first test (they take no CPU while they wait); each test below reads its own run."""
+    if not _STARTED:
+        free, dead = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"   # free: nothing listens there
+        folders = {name: tmp_path_factory.mktemp(name) for name in ("free", "dead", "dashboard")}
+        _STARTED["free"] = _Run(free, folders["free"], _scaling(folders["free"], ["--address", free]))
+        _STARTED["dead"] = _Run(dead, folders["dead"], subprocess.Popen(
+            [sys.executable, "-c", _DEAD_ADDRESS], cwd=REPO, env=clean_env(RAY_ADDRESS=dead),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        _STARTED["dashboard"] = _Run(None, folders["dashboard"],
+                                     _scaling(folders["dashboard"], ["--address", "http://127.0.0.1:8265"]))
+    return _STARTED
+
+
+def stop_unreachable_runs() -> None:
+    for run in _STARTED.values():
+        run.stop()
+    _STARTED.clear()
+
+
 @pytest.fixture(scope="module")
 def unreachable(tmp_path_factory):
-    """The three unreachable-address runs, started together: each mostly waits on a connect timeout, so
-    they wait side by side (each test below reads its own run, timed from its own start)."""
-    free, dead = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"   # free: nothing listens there
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("free", "dead", "dashboard")}
-    runs = {"free": (free, folders["free"], time.monotonic(), _scaling(folders["free"], ["--address", free])),
-            "dead": (dead, folders["dead"], time.monotonic(),
-                     subprocess.Popen([sys.executable, "-c", _DEAD_ADDRESS], cwd=REPO,
-                                      env=clean_env(RAY_ADDRESS=dead), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)),
-            "dashboard": (None, folders["dashboard"], time.monotonic(),
-                          _scaling(folders["dashboard"], ["--address", "http://127.0.0.1:8265"]))}
-    try:
-        yield runs
-    finally:
-        for *_, proc in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    """The runs (already started with the tier, or now when this module runs alone)."""
+    runs = start_unreachable_runs(tmp_path_factory)
+    yield runs
+    stop_unreachable_runs()
 
 
 def test_unreachable_cluster_is_a_clear_error_within_30s(unreachable):
     """``--address`` naming a port nothing listens on: exit 2 within 30 s, naming the address."""
-    address, tmp_path, start, proc = unreachable["free"]
-    rc, out, took = _finish(proc, start)
+    run = unreachable["free"].finish()
+    rc, out, took = run.proc.returncode, run.out, run.took
     assert rc == 2, f"rc {rc}\n{out[-3000:]}"
     assert took < 30, f"took {took:.0f} s:\n{out[-3000:]}"
     error = next(line for line in out.splitlines() if line.startswith("error:"))
-    assert address in error and "no Ray cluster answered" in error, error
+    assert run.address in error and "no Ray cluster answered" in error, error
     assert "head node is up" in error and "GCS address" in error and "RAY_ADDRESS" in error, error
     assert "Traceback" not in out, out[-3000:]
-    assert not (tmp_path / "mlflow.db").exists(), "the address is checked before the tracking store is set up"
+    assert not (run.folder / "mlflow.db").exists(), "the address is checked before the tracking store is set up"
 
 
 def test_dead_ray_address_is_a_clear_error(unreachable):
     """``$RAY_ADDRESS`` left over from a cluster that is gone: the library call fails the same way."""
-    address, _, _, proc = unreachable["dead"]
-    stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and "|" in stdout, stdout + stderr[-3000:]
+    run = unreachable["dead"].finish()
+    stdout, stderr = run.out, run.err
+    assert run.proc.returncode == 0 and "|" in stdout, stdout + stderr[-3000:]
     took, error = stdout.strip().split("|", 1)
-    assert float(took) < 20 and address in error and "RAY_ADDRESS" in error, stdout
+    assert float(took) < 20 and run.address in error and "RAY_ADDRESS" in error, stdout
 
 
 def test_dashboard_url_as_address_says_what_to_use(unreachable):
-    _, _, start, proc = unreachable["dashboard"]
-    rc, out, took = _finish(proc, start)
+    run = unreachable["dashboard"].finish()
+    rc, out, took = run.proc.returncode, run.out, run.took
     assert rc == 2, out[-3000:]
     assert "dashboard" in out and "ray job submit --address http://127.0.0.1:8265" in out, out[-3000:]
     assert took < 30
