@@ -1,11 +1,10 @@
 """Reaching a cluster and choosing checkpoint storage, without starting Ray.
 
 Unreachable addresses run the real CLI against ports nothing listens on (started with the tier, see
-``start_unreachable_runs``): it must exit with status 2
-within 30 s, naming the address and what to check (Ray's own connect path retries for minutes). The
-storage checks run on real pyarrow filesystems and on ``ray.nodes()``-shaped node lists; the refusal on
-a real two-node cluster is in test_multinode.py, the auth modes in test_cluster_auth.py and
-test_scaling_job.py.
+``start_unreachable_runs``): it must exit with status 2 within 30 s, naming the address and what to
+check (Ray's own connect path retries for minutes). The storage checks run on real pyarrow filesystems
+and on ``ray.nodes()``-shaped node lists; the refusal on a real two-node cluster is in
+test_multinode.py, the auth modes in test_cluster_auth.py and test_scaling_job.py.
 """
 
 from __future__ import annotations
