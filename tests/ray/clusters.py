@@ -8,6 +8,7 @@ signalling its whole process group (raylet, GCS, agents and the Ray workers it s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -174,3 +175,52 @@ def running_head(logs: Path, env: dict[str, str], *, prefix: str, num_cpus: int 
     finally:
         stray = cluster.stop()
         assert not stray, f"Ray processes left behind: {stray}"
+
+
+class SweepJob:
+    """``ray job submit --working-dir . -- python experiments/scaling.py ...`` against ``dashboard_url``,
+    started in the background at once (``submit``); its output (stdout and stderr) goes to ``log``.
+
+    ``result()`` waits for it, within ``limit_s`` of its submission, and returns the output. ``stop()``
+    (for a module's end) stops the job if no test waited for it: Ray starts a job's driver in a session
+    of its own, which stopping the head would not end."""
+
+    def __init__(self, dashboard_url: str, env: dict[str, str], log: Path, store: str, home: Path,
+                 sweep_args: list[str], *, name: str, limit_s: float):
+        self.url, self.env, self.log, self.store, self.limit_s = dashboard_url, env, log, store, limit_s
+        self.submission = f"rayvit-{name}-{os.urandom(4).hex()}"
+        runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": store, "RAYVIT_HOME": str(home)}}
+        self.cmd = [RAY, "job", "submit", "--address", dashboard_url, "--working-dir", ".",
+                    "--submission-id", self.submission, "--runtime-env-json", json.dumps(runtime_env), "--",
+                    sys.executable, "experiments/scaling.py", "--name", name, *sweep_args]
+        self.proc: Optional[subprocess.Popen] = None
+        self.deadline = 0.0
+
+    def submit(self, cwd: Path) -> "SweepJob":
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.cmd, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         text=True)
+        self.deadline = time.monotonic() + self.limit_s
+        return self
+
+    def result(self) -> tuple[int, str]:
+        """(``ray job submit``'s exit status, its output); fails the test past the limit."""
+        assert self.proc is not None, "the job was never submitted"
+        try:
+            self.proc.wait(timeout=max(self.deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            import pytest
+
+            pytest.fail(f"ray job submit did not end in {self.limit_s:g} s:\n" + self.log.read_text()[-4000:])
+        return self.proc.returncode, self.log.read_text()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        subprocess.run([RAY, "job", "stop", "--address", self.url, self.submission], env=self.env,
+                       capture_output=True, timeout=120)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

@@ -11,17 +11,15 @@ found". The token-authentication side is in test_scaling_job.py.
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from clusters import clean_env, running_head
+from clusters import SweepJob, clean_env, running_head
 
 pytestmark = pytest.mark.slow
 
@@ -46,29 +44,14 @@ def sweep_job(open_cluster, tmp_path_factory):
     waited for it, the job is stopped at the module's end: Ray starts a job's driver in a session of its
     own, which stopping the head would not end."""
     tmp = tmp_path_factory.mktemp("job")
-    store = f"sqlite:///{tmp}/mlflow.db"
-    runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": store, "RAYVIT_HOME": str(tmp / "rv")}}
-    submission = f"rayvit-no-auth-{secrets.token_hex(4)}"
-    cmd = [RAY, "job", "submit", "--address", open_cluster.dashboard_url, "--working-dir", ".",
-           "--submission-id", submission, "--runtime-env-json", json.dumps(runtime_env), "--",
-           sys.executable, "experiments/scaling.py", "--name", "no-auth",
-           "--set", "sweep.strategies=ddp", "--set", "sweep.worker_counts=1",
-           "--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
-    log = tmp / "submit.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=open_cluster.env, stdout=out, stderr=subprocess.STDOUT,
-                                text=True)
+    job = SweepJob(open_cluster.dashboard_url, open_cluster.env, tmp / "submit.log", f"sqlite:///{tmp}/mlflow.db",
+                   tmp / "rv", ["--set", "sweep.strategies=ddp", "--set", "sweep.worker_counts=1",
+                                "--set", "train.steps=6", "--set", "train.warmup_steps=2",
+                                "--set", "train.report_every=6"], name="no-auth", limit_s=300)
     try:
-        yield proc, log, store, time.monotonic() + 300
+        yield job.submit(REPO)
     finally:
-        if proc.poll() is None:
-            subprocess.run([RAY, "job", "stop", "--address", open_cluster.dashboard_url, submission],
-                           env=open_cluster.env, capture_output=True, timeout=120)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        job.stop()
 
 
 def test_local_instance_keeps_token_authentication_quietly(tmp_path):
@@ -98,13 +81,9 @@ def test_driver_with_token_mode_in_its_environment_takes_the_clusters_mode(open_
 
 def test_sweep_as_a_job_on_a_cluster_without_authentication(open_cluster, sweep_job):
     """The issue's reproduction (``sweep_job``, submitted when the head came up): last, it waits for the job."""
-    proc, log, store, deadline = sweep_job
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pytest.fail("ray job submit did not end in 300 s:\n" + log.read_text()[-4000:])
-    out = log.read_text()
-    assert proc.returncode == 0, out[-4000:]
+    rc, out = sweep_job.result()
+    store = sweep_job.store
+    assert rc == 0, out[-4000:]
     assert "succeeded" in out and "1 points ran, 0 reused, 0 failed" in out, out[-4000:]
     assert "AuthenticationError" not in out
 

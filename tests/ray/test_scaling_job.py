@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from clusters import clean_env, running_head
+from clusters import SweepJob, clean_env, running_head
 
 pytestmark = pytest.mark.slow
 
@@ -55,28 +55,14 @@ def sweep_job(head):
     (stdout and stderr) goes to a file. If no test waited for it, the job is stopped at the module's end:
     Ray starts a job's driver in a session of its own, which stopping the head would not end."""
     url, env, tmp = head
-    store = f"sqlite:///{tmp}/mlflow.db"
-    runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": store, "RAYVIT_HOME": str(tmp / "home")}}
-    submission = f"rayvit-as-job-{secrets.token_hex(4)}"
-    cmd = [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".",
-           "--submission-id", submission, "--runtime-env-json", json.dumps(runtime_env), "--",
-           sys.executable, "experiments/scaling.py", "--name", "as-job",
-           "--set", "sweep.strategies=ddp,fsdp", "--set", "sweep.worker_counts=2",
-           "--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"]
-    log = tmp / "submit.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    job = SweepJob(url, env, tmp / "submit.log", f"sqlite:///{tmp}/mlflow.db", tmp / "home",
+                   ["--set", "sweep.strategies=ddp,fsdp", "--set", "sweep.worker_counts=2",
+                    "--set", "train.steps=6", "--set", "train.warmup_steps=2", "--set", "train.report_every=6"],
+                   name="as-job", limit_s=400)
     try:
-        yield proc, log, store, time.monotonic() + 400
+        yield job.submit(REPO)
     finally:
-        if proc.poll() is None:
-            subprocess.run([str(BIN / "ray"), "job", "stop", "--address", url, submission], env=env,
-                           capture_output=True, timeout=120)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        job.stop()
 
 
 _ATTACH = ("import sys, ray\n"
@@ -135,13 +121,9 @@ def test_job_submission_without_the_token_is_refused(token_cluster, tmp_path):
 def test_sweep_as_a_ray_job(head, sweep_job):
     """Last: the job was submitted when the head came up (``sweep_job``) and ran while the tests above did."""
     url, env, tmp = head
-    proc, log, store, deadline = sweep_job
-    try:
-        proc.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pytest.fail("ray job submit did not end in 400 s:\n" + log.read_text()[-4000:])
-    out = log.read_text()
-    assert proc.returncode == 0, out[-4000:]
+    rc, out = sweep_job.result()
+    store = sweep_job.store
+    assert rc == 0, out[-4000:]
     assert "succeeded" in out and "2 points ran, 0 reused, 0 failed" in out
 
     # The job ran in a temporary copy of the repo; its records must still be in the store we named.
