@@ -16,12 +16,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -224,3 +225,41 @@ class SweepJob:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class ReadToEnd:
+    """A command started in the background, read to its end by a thread of its own, which notes when it
+    exited (``took``: its own seconds, however late a test reads them) and then calls ``then(self)``.
+    Killed after ``limit_s`` if given."""
+
+    def __init__(self, proc: subprocess.Popen, *, limit_s: Optional[float] = None,
+                 then: Optional[Callable[["ReadToEnd"], None]] = None):
+        self.proc, self.start = proc, time.monotonic()
+        self.took: Optional[float] = None
+        self.out = self.err = ""
+        self._limit, self._then = limit_s, then
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            out, err = self.proc.communicate(timeout=self._limit)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+        self.out, self.err, self.took = out or "", err or "", time.monotonic() - self.start
+        if self._then is not None:
+            self._then(self)
+
+    def finish(self, timeout: float) -> "ReadToEnd":
+        """Wait up to ``timeout`` seconds for the command to end (and ``then``); fail if it has not."""
+        self.thread.join(timeout)
+        assert self.took is not None and not self.thread.is_alive(), \
+            f"{self.proc.args} still runs after {time.monotonic() - self.start:.0f} s"
+        return self
+
+    def stop(self) -> None:
+        """Kill the command if it still runs; wait for the thread."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.thread.join()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -20,7 +18,7 @@ import pytest
 
 from rayvit.config import ConfigError, from_dict
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
-from clusters import clean_env, free_port
+from clusters import ReadToEnd, clean_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,35 +37,12 @@ _DEAD_ADDRESS = ("import time; from rayvit.launch.connect import ensure_ray, Clu
                  "    print(f'{time.monotonic() - t:.1f}|{e}')\n")
 
 
-class _Run:
-    """One unreachable-address command, read to its end by a thread of its own, which notes when it
-    exited: its seconds are its own, however late a test reads them. Killed after 60 s."""
+class _Run(ReadToEnd):
+    """One unreachable-address command (``ReadToEnd``: its seconds are its own), killed after 60 s."""
 
     def __init__(self, address: Optional[str], folder: Path, proc: subprocess.Popen):
-        self.address, self.folder, self.proc = address, folder, proc
-        self.start, self.took = time.monotonic(), None
-        self.out, self.err = "", ""
-        self.thread = threading.Thread(target=self._wait, daemon=True)
-        self.thread.start()
-
-    def _wait(self) -> None:
-        try:
-            self.out, self.err = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.out, self.err = self.proc.communicate()
-        self.took = time.monotonic() - self.start
-        self.out, self.err = self.out or "", self.err or ""
-
-    def finish(self) -> "_Run":
-        self.thread.join(90)
-        assert self.took is not None, f"{self.proc.args} still runs"
-        return self
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.thread.join(90)
+        super().__init__(proc, limit_s=60)
+        self.address, self.folder = address, folder
 
 
 _STARTED: dict[str, _Run] = {}
@@ -105,7 +80,7 @@ def unreachable(tmp_path_factory):
 
 def test_unreachable_cluster_is_a_clear_error_within_30s(unreachable):
     """``--address`` naming a port nothing listens on: exit 2 within 30 s, naming the address."""
-    run = unreachable["free"].finish()
+    run = unreachable["free"].finish(90)
     rc, out, took = run.proc.returncode, run.out, run.took
     assert rc == 2, f"rc {rc}\n{out[-3000:]}"
     assert took < 30, f"took {took:.0f} s:\n{out[-3000:]}"
@@ -118,7 +93,7 @@ def test_unreachable_cluster_is_a_clear_error_within_30s(unreachable):
 
 def test_dead_ray_address_is_a_clear_error(unreachable):
     """``$RAY_ADDRESS`` left over from a cluster that is gone: the library call fails the same way."""
-    run = unreachable["dead"].finish()
+    run = unreachable["dead"].finish(90)
     stdout, stderr = run.out, run.err
     assert run.proc.returncode == 0 and "|" in stdout, stdout + stderr[-3000:]
     took, error = stdout.strip().split("|", 1)
@@ -126,7 +101,7 @@ def test_dead_ray_address_is_a_clear_error(unreachable):
 
 
 def test_dashboard_url_as_address_says_what_to_use(unreachable):
-    run = unreachable["dashboard"].finish()
+    run = unreachable["dashboard"].finish(90)
     rc, out, took = run.proc.returncode, run.out, run.took
     assert rc == 2, out[-3000:]
     assert "dashboard" in out and "ray job submit --address http://127.0.0.1:8265" in out, out[-3000:]

@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,7 +34,7 @@ import pytest
 from mlflow import MlflowClient
 
 import browser
-from clusters import clean_env, running_head
+from clusters import ReadToEnd, clean_env, running_head
 
 from shared import cli_env, FEW_STEPS, SCRIPT
 
@@ -50,32 +49,25 @@ def store(tmp_path_factory):
     return root, cli_env(root)
 
 
-class _DefaultSweep:
-    """The default sweep's process, read to its end by a thread of its own; once it has exited with
-    status 0 (and a browser test can run here), the same thread starts ``mlflow server`` over its store
-    (``ui``), which the browser test waits for instead of starting it."""
+class _DefaultSweep(ReadToEnd):
+    """The default sweep's process (``ReadToEnd``); once it has exited with status 0 (and a browser test
+    can run here), the reading thread starts ``mlflow server`` over its store (``ui``), which the browser
+    test waits for instead of starting it."""
 
     def __init__(self, proc: subprocess.Popen, uri: str, ui_root: Path):
-        self.proc, self.start = proc, time.monotonic()
-        self.out = self.err = ""
         self.ui = browser.MlflowServer(uri, ui_root)
-        self.thread = threading.Thread(target=self._read_then_serve, name="default-sweep", daemon=True)
-        self.thread.start()
+        super().__init__(proc, then=self._serve)
 
-    def _read_then_serve(self) -> None:
-        self.out, self.err = self.proc.communicate()
+    def _serve(self, _) -> None:
         if self.proc.returncode == 0 and browser.missing() is None:
             self.ui.start()
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"the default sweep still runs after {time.monotonic() - self.start:.0f} s"
+        self.finish(timeout)
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out, self.err)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.thread.join()
+        self.stop()
         self.ui.stop()
 
 
