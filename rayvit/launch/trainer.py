@@ -104,7 +104,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         except (KeyError, ValueError, RuntimeError):
             shards[name] = None
     shards = shards if shards["train"] is not None else None
-    waits: list[float] = []
+    waits: list[list[list[float]]] = []
     if config.get("group") is not None:
         from rayvit.worker.rounds import measure_rounds
 
@@ -113,9 +113,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         if config.get("links") is not None:
             # The wait for the slowest rank drifts over seconds on a shared host: read it after every
             # round, so the links cover the same minutes as the points they project.
-            from rayvit.projection.collectives import wait_probe
+            from rayvit.projection.collectives import wait_curve
 
-            between = lambda r: waits.append(wait_probe(device))  # noqa: E731
+            between = lambda r: waits.append(wait_curve(device))  # noqa: E731
         out: dict[str, Any] = {"group": measure_rounds(
             [from_dict(c) for c in config["group"]], config["rounds"], device=device, dataset_shards=shards,
             on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None,
@@ -165,7 +165,8 @@ def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
 
     try:
         return worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
-                                 "model": config["rayvit"], "batch": cfg.train.batch_size, **config["links"]})
+                                 "model": config["rayvit"], "batch": cfg.train.batch_size,
+                                 "strategy_configs": config.get("group") or [config["rayvit"]], **config["links"]})
     except Exception as e:  # noqa: BLE001
         logger.warning("the links microbenchmark failed: %s", e)
         return {"error": f"{type(e).__name__}: {e}"}

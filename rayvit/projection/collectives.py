@@ -11,16 +11,20 @@ Two parts, measured apart because they vary differently:
   kernel queue on GPUs). That wait belongs to the host, not to the collective, and it is heavy-tailed
   (on a 2-core host ~60% of collectives wait ~0.1 ms, ~40% 2-4 ms) and it drifts over seconds (its mean
   over 3-second windows of one idle machine ranged 0.45-1.12 ms), so a mean over one kind's 30 repeats
-  moved by 2x between two measurements. It is one figure for every kind (``host_wait_s``, added to each
-  kind's latency): read by :func:`wait_probe` after every round of a sweep's worker group, so that it
-  covers the minutes the points were measured in, or else pooled over the microbenchmark's kinds and sizes.
+  moved by 2x between two measurements. It is one curve for every kind (``host_wait_curve``: the wait
+  after 2 and after 10 ms of compute, since a rank computing alone longer is preempted more often; the
+  projection reads it at each step's gap between collectives): read by :func:`wait_curve` after every
+  round of a sweep's worker group, so that it covers the minutes the points were measured in, or else
+  here. ``host_wait_s`` (the 2-ms reading) stays in each kind's ``latency_s`` for older readers.
 
 ``measure_links`` runs :func:`worker_benchmark` on N Ray Train workers (gloo on CPU, NCCL on GPU) and
 returns a *links* dict (JSON-able) that :func:`rayvit.projection.profiles.with_measured_links` turns into
 a profile. Beside the links it measures two host properties the step model needs: the compute slowdown
 when every worker of a node trains at once against one alone (``shared_host_slowdown``: on a CPU host
 the workers share caches, memory bandwidth and the cores Ray's own processes run on), and the memory
-copy bandwidth that bounds the optimizer step. Ray is imported only inside ``measure_links``.
+copy bandwidth that bounds the optimizer step; and, for the strategies it is given, each one's own host
+work per collective at this world size (``collective_path_s``: FSDP2's copy-in and copy-out, which its
+one-rank point never runs). Ray is imported only inside ``measure_links``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def _run(kind: str, buf, shard, dist) -> None:
         dist.reduce(buf, dst=0)
 
 
-def _timed(fn, device, repeats: int) -> float:
+def aligned_s(fn, device, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs, ranks aligned by a barrier before each."""
     import torch
     import torch.distributed as dist
@@ -147,12 +151,24 @@ def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_
             op = lambda: _run(kind, buf, shard, dist)  # noqa: E731
             for _ in range(warmup):
                 op()
-            aligned[kind].append([nbytes, _timed(op, device, repeats)])
+            aligned[kind].append([nbytes, aligned_s(op, device, repeats)])
             in_step[kind].append([nbytes, _in_step(op, device, 2 * repeats, segment)])
     return in_step, aligned
 
 
+def aligned_all_gather_s(nbytes: int, device, repeats: int = 15) -> float:
+    """Barrier-aligned median seconds of a bare fp32 all-gather of about ``nbytes`` (output size)."""
+    import torch.distributed as dist
+
+    buf, shard = _buffers(nbytes, device)
+    dist.all_gather_into_tensor(buf, shard)
+    return aligned_s(lambda: dist.all_gather_into_tensor(buf, shard), device, repeats)
+
+
 WAIT_PROBE_BYTES = 16 * 2 ** 10
+# The compute gaps the wait is read after: FSDP's per-block collectives (a few ms apart on CPU) and a
+# replicated strategy's one all-reduce per step (its whole step apart).
+WAIT_GAPS_S = (2e-3, 10e-3)
 
 
 def wait_probe(device, repeats: int = 150, segment_s: float = 2e-3) -> float:
@@ -164,8 +180,21 @@ def wait_probe(device, repeats: int = 150, segment_s: float = 2e-3) -> float:
     buf, shard = _buffers(WAIT_PROBE_BYTES, device)
     op = lambda: _run("all_gather", buf, shard, dist)  # noqa: E731
     op()
-    aligned = _timed(op, device, 15)
+    aligned = aligned_s(op, device, 15)
     return max(0.0, _in_step(op, device, repeats, _segment(segment_s, device)) - aligned)
+
+
+def wait_curve(device, gaps_s=WAIT_GAPS_S, seconds_each: float = 0.3) -> list[list[float]]:
+    """``[[gap_s, wait_s], ...]``: :func:`wait_probe` after compute segments of each length, back to back
+    (the wait drifts over seconds; read together, the lengths compare like for like). About
+    ``seconds_each`` per length, at least 30 repeats; every rank must call it alike."""
+    return [[gap, wait_probe(device, repeats=max(30, int(seconds_each / (gap + 1e-3))), segment_s=gap)]
+            for gap in gaps_s]
+
+
+def mean_curve(curves: list) -> list[list[float]]:
+    """The mean wait at each gap over several :func:`wait_curve` readings (same gaps)."""
+    return [[gap, statistics.fmean(float(c[i][1]) for c in curves)] for i, (gap, _) in enumerate(curves[0])]
 
 
 def host_wait(in_step: dict[str, list[list[float]]], aligned: dict[str, list[list[float]]]) -> float:
@@ -262,7 +291,7 @@ def copy_bandwidth(device, megabytes: int) -> float:
     src = torch.ones(megabytes * 2 ** 18, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = min(_timed(lambda: dst.copy_(src), device, 1) for _ in range(5))
+    seconds = min(aligned_s(lambda: dst.copy_(src), device, 1) for _ in range(5))
     return 2 * src.numel() * 4 / seconds
 
 
@@ -283,11 +312,14 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     sizes = config.get("sizes") or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
     points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)))
-    # The wait read between a worker group's rounds (``host_waits``) covers the minutes the points were
-    # measured in; the microbenchmark's own covers its few seconds.
+    # The wait read between a worker group's rounds (``host_waits``: wait curves, or single 2-ms readings
+    # from older callers) covers the minutes the points were measured in; else it is read here.
     pooled = host_wait(points, aligned)
-    during = [float(w) for w in config.get("host_waits") or []]
-    wait = statistics.fmean(during) if during else pooled
+    during = list(config.get("host_waits") or [])
+    curves = [c for c in during if isinstance(c, (list, tuple))]
+    flat = [float(w) for w in during if not isinstance(w, (list, tuple))]
+    curve = mean_curve(curves) if curves else None if flat else wait_curve(device)
+    wait = curve[0][1] if curve else statistics.fmean(flat)
     slowdown = shared_host_slowdown(device, config.get("model"), int(config.get("batch", 8)))
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
     links = {"backend": dist.get_backend(), "world_size": n, "nodes": len(set(hosts)),
@@ -295,7 +327,10 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
              "host_wait_s": wait, "host_wait_microbenchmark_s": pooled, "host_waits_during_rounds": during,
              "collectives": {k: {**_with_wait(fit_link(aligned[k], k, n), wait), "points": p,
                                  "aligned_points": aligned[k]} for k, p in points.items()},
-             "seconds": time.perf_counter() - start}
+             "collective_path_s": collective_paths(config.get("strategy_configs") or [], device)}
+    if curve:
+        links["host_wait_curve"] = curve
+    links["seconds"] = time.perf_counter() - start
     if device.type == "cuda":
         # What picks the hardware profile: the chip (rayvit.worker.hardware's name) and its memory size.
         from rayvit.worker.hardware import accelerator_name
@@ -303,6 +338,29 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
         links.update(device_name=accelerator_name(device),
                      device_memory_bytes=int(torch.cuda.get_device_properties(device).total_memory))
     return links if dist.get_rank() == 0 else {}
+
+
+def collective_paths(cfgs: list, device) -> dict[str, Optional[float]]:
+    """Each strategy's own host work per collective at this world size (``Strategy.collective_path_s``),
+    by strategy name, for the configs given (one per strategy; their model, precision and seed). A
+    strategy whose probe fails is left out with a warning: the projection then costs its messages
+    without it."""
+    from rayvit.config import from_dict
+    from rayvit.worker.strategies import strategy_class
+
+    out: dict[str, Optional[float]] = {}
+    for raw in cfgs:
+        cfg = from_dict(raw)
+        name = cfg.parallel.strategy
+        if name in out:
+            continue
+        try:
+            out[name] = strategy_class(name).collective_path_s(cfg, device)
+        except Exception as e:  # noqa: BLE001 - a probe must not lose the links
+            import logging
+
+            logging.getLogger(__name__).warning("%s's collective path probe failed: %s", name, e)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _with_wait(link: dict[str, float], wait: float) -> dict[str, float]:
@@ -342,12 +400,23 @@ def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: i
 
 
 def describe(links: dict[str, Any]) -> str:
-    """One line per collective: latency and bus bandwidth, as measured."""
+    """One line per collective: latency and bus bandwidth, as measured; then the wait for the slowest rank
+    and each strategy's own host path per collective, where measured."""
+    during = " (read between the rounds)" if links.get("host_waits_during_rounds") else ""
+    curve = links.get("host_wait_curve")
+    if curve:
+        wait = (f"latency below is the transfer's; each message adds the wait for the slowest rank by the compute before "
+                f"it{during}: " + ", ".join(f"{w * 1e6:.0f} us after {g * 1e3:g} ms" for g, w in curve))
+        latency = "transfer_latency_s"
+    else:
+        wait = f"latency includes {links.get('host_wait_s', 0) * 1e6:.0f} us waiting for the slowest rank{during}"
+        latency = "latency_s"
     lines = [f"collectives over {links['world_size']} {links['backend']} ranks on {links['nodes']} node(s) "
              f"(shared-host slowdown {links.get('shared_host_slowdown', 1):.2f}, memory copy "
-             f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s); latency includes "
-             f"{links.get('host_wait_s', 0) * 1e6:.0f} us waiting for the slowest rank"
-             f"{' (read between the rounds)' if links.get('host_waits_during_rounds') else ''}:"]
+             f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s); {wait}:"]
     for kind, c in links["collectives"].items():
-        lines.append(f"  {kind:<15} latency {c['latency_s'] * 1e6:8.0f} us  busbw {c['busbw'] / 1e9:7.2f} GB/s")
+        lines.append(f"  {kind:<15} latency {c.get(latency, c['latency_s']) * 1e6:8.0f} us  "
+                     f"busbw {c['busbw'] / 1e9:7.2f} GB/s")
+    for name, seconds in (links.get("collective_path_s") or {}).items():
+        lines.append(f"  {name}'s own host path per collective (beyond its one-rank path): {seconds * 1e6:.0f} us")
     return "\n".join(lines)

@@ -8,7 +8,10 @@
   Split 1:2 between forward and backward (backward does twice the matmul work). ``slowdown`` is the
   profile's measured cost of every chip of a node computing at once (1.0 on GPUs).
 - communication: :mod:`rayvit.projection.comms` messages, each ``latency + factor x bytes / busbw`` over
-  the profile's link for that chip count. A fraction ``overlap`` of forward (backward) compute can hide
+  the profile's link for that chip count; over measured links plus the host's wait for the slowest rank,
+  read at the step's mean compute between two collectives (:func:`step_gap`; it grows with that gap), and
+  plus the strategy's own host path per message where measured (FSDP2's copy-in and copy-out at more than
+  one rank: ``HardwareProfile.collective_path_s``). A fraction ``overlap`` of forward (backward) compute can hide
   messages issued during it; the first gather of each phase and the last reduction cannot hide, nor can
   anything after backward (OSS's broadcasts).
 - optimizer: bytes the update reads and writes on this rank's elements (Adam: 6 x state + gradient bytes
@@ -87,20 +90,24 @@ class Projection:
         return out
 
 
-def message_time(m: comms.Message, n: int, profile: HardwareProfile) -> float:
-    """``latency + factor x bytes / busbw``; a collective over one rank has no peer and costs nothing."""
+def message_time(m: comms.Message, n: int, profile: HardwareProfile, gap_s: Optional[float] = None,
+                 path_s: float = 0.0) -> float:
+    """``latency + wait(gap) + path + factor x bytes / busbw``; a collective over one rank has no peer and
+    costs nothing. ``gap_s``: the compute since the previous collective, which the host's wait for the
+    slowest rank grows with (measured links only); ``path_s``: the strategy's own host work per message."""
     if n <= 1:
         return 0.0
     link = profile.link(m.kind, n)
-    return link.latency_s + comms.bus_factor(m.kind, n) * m.bytes / link.busbw
+    return link.latency_s + link.wait_s(gap_s) + path_s + comms.bus_factor(m.kind, n) * m.bytes / link.busbw
 
 
 def exposed_communication(messages: list[comms.Message], n: int, profile: HardwareProfile,
-                          forward_s: float, backward_s: float) -> tuple[float, float]:
+                          forward_s: float, backward_s: float, *, gap_s: Optional[float] = None,
+                          path_s: float = 0.0) -> tuple[float, float]:
     """(all messages back to back, the part the step waits for) in seconds."""
     total = exposed = 0.0
     for phase, hide in (("forward", forward_s), ("backward", backward_s), ("after", 0.0)):
-        times = [message_time(m, n, profile) for m in messages if m.phase == phase]
+        times = [message_time(m, n, profile, gap_s, path_s) for m in messages if m.phase == phase]
         kinds = [m.kind for m in messages if m.phase == phase]
         total += sum(times)
         if not times:
@@ -167,9 +174,18 @@ def compute_from_measured(cfg: Config, images_per_sec: float, profile: HardwareP
     msgs = comms.step_messages(cfg, chips)
     fb = (step - overhead) / (profile.shared_host_slowdown if _shares_host(profile, chips) else 1.0)
     # The measured step's communication, as this model sees it, is not compute either.
-    _, exposed = exposed_communication(msgs, chips, profile, fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE))
+    _, exposed = exposed_communication(msgs, chips, profile, fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE),
+                                       gap_s=step_gap(fb + overhead, msgs),
+                                       path_s=profile.collective_path_s.get(cfg.parallel.strategy, 0.0))
     fb -= exposed
     return ComputeRate(max(fb, 0.0) / batch, f"measured: {source}")
+
+
+def step_gap(work_s: float, messages: list[comms.Message]) -> Optional[float]:
+    """The mean compute between two of a step's collectives: the step's work (forward, backward, optimizer,
+    the wrapper's own) over its messages. DDP's one all-reduce follows a whole step's work; FSDP's nine
+    messages at two ranks a ninth each."""
+    return work_s / len(messages) if messages else None
 
 
 def _shares_host(profile: HardwareProfile, chips: int) -> bool:
@@ -188,8 +204,10 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
         fb *= profile.shared_host_slowdown
     fwd, bwd = fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE)
     msgs = comms.step_messages(cfg, chips, layer_norm_fp32=layer_norm_fp32)
-    comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd)
     opt = optimizer_time(cfg, chips, profile, layer_norm_fp32=layer_norm_fp32)
+    comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd,
+                                            gap_s=step_gap(fb + opt + max(overhead_s, 0.0), msgs),
+                                            path_s=profile.collective_path_s.get(cfg.parallel.strategy, 0.0))
     # A negative overhead (the anchor point ran faster than this model says) never takes the step below
     # its compute.
     overhead_s = max(overhead_s, -(exposed + opt))
@@ -235,4 +253,4 @@ def add_ratios(points: list[Projection]) -> None:
 
 
 __all__ = ["ComputeRate", "Projection", "project", "project_grid", "compute_from_peak", "compute_from_measured",
-           "optimizer_time", "exposed_communication", "message_time"]
+           "optimizer_time", "exposed_communication", "message_time", "step_gap"]

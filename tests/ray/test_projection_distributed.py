@@ -69,3 +69,6 @@ def test_collective_microbenchmark_on_two_ray_workers(tmp_path, monkeypatch, sha
     for c in links["collectives"].values():
         assert c["busbw"] > 0 and c["latency_s"] >= 0 and len(c["points"]) == 4
     assert links["shared_host_slowdown"] > 0 and links["memory_bw"] > 0
+    # No wait read between rounds here: the workers read the curve themselves, after 2 and 10 ms of compute.
+    assert [g for g, _ in links["host_wait_curve"]] == [2e-3, 10e-3]
+    assert all(w >= 0 for _, w in links["host_wait_curve"]) and links["collective_path_s"] == {}

@@ -207,6 +207,49 @@ def test_step_time_by_hand_on_a_two_chip_cpu_profile():
     assert project(cfg, 2, profile.replace(overlap=1.0), rate).exposed_comm_s == pytest.approx(comm)
 
 
+def test_the_wait_for_the_slowest_rank_grows_with_the_compute_before_each_message():
+    """a + b sqrt(gap) through the measured curve; one point is a flat wait; noise never makes it shrink."""
+    link = Link(busbw=1e9, latency_s=1e-4, wait_curve=((2e-3, 0.8e-3), (10e-3, 1.4e-3)))
+    b = (1.4e-3 - 0.8e-3) / (10e-3 ** 0.5 - 2e-3 ** 0.5)
+    assert link.wait_s(2e-3) == pytest.approx(0.8e-3) and link.wait_s(10e-3) == pytest.approx(1.4e-3)
+    assert link.wait_s(4e-3) == pytest.approx(0.8e-3 + b * (4e-3 ** 0.5 - 2e-3 ** 0.5))
+    assert link.wait_s(0.0) == pytest.approx(max(0.0, 0.8e-3 - b * 2e-3 ** 0.5))
+    assert Link(1e9, 1e-4, wait_curve=((2e-3, 0.8e-3),)).wait_s(10e-3) == pytest.approx(0.8e-3)
+    shrinking = Link(1e9, 1e-4, wait_curve=((2e-3, 1.0e-3), (10e-3, 0.6e-3)))
+    assert shrinking.wait_s(2e-3) == shrinking.wait_s(10e-3) == pytest.approx(0.8e-3)
+    assert Link(1e9, 1e-4).wait_s(10e-3) == 0.0 and link.wait_s(None) == 0.0
+
+
+def test_measured_waits_follow_each_strategys_gap_and_fsdps_path_is_added_per_message():
+    """DDP's one all-reduce waits after a whole step's work, FSDP's nine messages after a ninth each; FSDP2's
+    own host path (measured per message) is added to each of its messages, and to no other strategy's."""
+    from rayvit.projection.performance import step_gap
+
+    curve = [[2e-3, 0.8e-3], [10e-3, 1.4e-3]]
+    links = {"backend": "gloo", "world_size": 2, "nodes": 1, "memory_bw": 10e9, "shared_host_slowdown": 1.0,
+             "host_wait_s": 0.8e-3, "host_wait_curve": curve, "collective_path_s": {"fsdp": 0.5e-3},
+             "collectives": {k: {"latency_s": 0.9e-3, "transfer_latency_s": 0.1e-3, "busbw": 1e9} for k in
+                             ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")}}
+    profile = with_measured_links(cpu_profile(), links)
+    link = profile.link("all_gather", 2)
+    assert link.latency_s == pytest.approx(0.1e-3) and link.wait_curve == ((2e-3, 0.8e-3), (10e-3, 1.4e-3))
+    rate = ComputeRate(seconds_per_image=0.6e-3, source="given")
+    for strategy, path in (("ddp", 0.0), ("fsdp", 0.5e-3), ("fairscale_oss", 0.0)):
+        cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}"])
+        p = project(cfg, 2, profile, rate, peak=1e12)
+        msgs = comms.step_messages(cfg, 2)
+        gap = step_gap(p.compute_s + p.optimizer_s, msgs)
+        assert gap == pytest.approx((p.compute_s + p.optimizer_s) / len(msgs))
+        expected = sum(0.1e-3 + link.wait_s(gap) + path + comms.bus_factor(m.kind, 2) * m.bytes / 1e9 for m in msgs)
+        assert p.exposed_comm_s == pytest.approx(expected), strategy        # overlap 0 on CPU: all exposed
+    ddp = project(load_config(DEFAULT), 2, profile, rate, peak=1e12)
+    assert ddp.exposed_comm_s - ddp.comm_s == pytest.approx(0) and ddp.exposed_comm_s > 0.1e-3 + 0.8e-3
+    # Links without a curve (older links.json) keep their flat wait inside the latency.
+    flat = with_measured_links(cpu_profile(), {**links, "host_wait_curve": None})
+    assert flat.link("all_gather", 2).latency_s == pytest.approx(0.9e-3)
+    assert flat.link("all_gather", 2).wait_s(10e-3) == 0.0
+
+
 def test_measured_links_override_the_profile_within_their_span():
     links = {"backend": "nccl", "world_size": 16, "nodes": 2, "shared_host_slowdown": 1.0,
              "collectives": {"all_reduce": {"latency_s": 1e-4, "busbw": 5e9}}}
@@ -305,6 +348,36 @@ def _links_with_waits(rank):
     read = wait_probe(torch.device("cpu"), repeats=10)
     links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "host_waits": [1e-3, 3e-3]})
     return read, links
+
+
+def _links_with_curves_and_paths(rank):
+    import torch
+
+    from rayvit.projection.collectives import wait_curve
+
+    curve = wait_curve(torch.device("cpu"), seconds_each=0.05)
+    cfgs = [load_config(DEFAULT, [f"parallel.strategy={s}"]).to_dict() for s in ("ddp", "fsdp")]
+    links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "strategy_configs": cfgs,
+                              "host_waits": [[[2e-3, 1e-3], [10e-3, 2e-3]], [[2e-3, 3e-3], [10e-3, 4e-3]]]})
+    return curve, links
+
+
+@pytest.mark.slow
+def test_links_carry_the_wait_curve_read_between_rounds_and_fsdps_own_path(tmp_path):
+    """Between rounds the workers read the wait after 2 and 10 ms of compute; the links average those
+    readings, keep each kind's transfer latency apart, and measure FSDP2's host path per collective (a
+    strategy without one, DDP, gets none)."""
+    (curve, links), (_, nothing) = two_ranks(tmp_path, _links_with_curves_and_paths)
+    assert [g for g, _ in curve] == [2e-3, 10e-3] and all(w >= 0 for _, w in curve) and nothing == {}
+    assert [g for g, _ in links["host_wait_curve"]] == [2e-3, 10e-3]
+    assert [w for _, w in links["host_wait_curve"]] == pytest.approx([2e-3, 3e-3])
+    assert links["host_wait_s"] == pytest.approx(2e-3)
+    assert set(links["collective_path_s"]) == {"fsdp"} and links["collective_path_s"]["fsdp"] > 0
+    profile = with_measured_links(cpu_profile(), links)
+    for kind, link in links["collectives"].items():
+        assert profile.link(kind, 2).latency_s == pytest.approx(link["transfer_latency_s"])
+        assert profile.link(kind, 2).wait_s(10e-3) == pytest.approx(3e-3)
+    assert profile.collective_path_s == links["collective_path_s"]
 
 
 @pytest.mark.slow

@@ -113,6 +113,14 @@ class Strategy:
                                   "the projection cannot cost it")
 
     @classmethod
+    def collective_path_s(cls, cfg: "Config", device: torch.device) -> Optional[float]:
+        """Host work each of this strategy's collectives costs at more than one rank beyond the collective
+        itself and beyond the strategy's one-rank path (which its own 1-rank point measures): seconds per
+        message, measured on the current process group (every rank calls it alike), or None where the
+        strategy adds no such path. The links microbenchmark asks it; the projection adds it per message."""
+        return None
+
+    @classmethod
     def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
         """Bytes of parameters, gradients, masters and optimizer state ``rank`` holds. Replicated: all."""
         return tensor_state(layout, rank)

@@ -21,6 +21,7 @@ keep-the-root heuristic), one reduce-scatter after backward. Moves (N-1)/N x P x
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -83,11 +84,67 @@ class FSDP(Strategy):
     def transient_bytes(cls, layout: Layout) -> int:
         return sharded_transient(layout)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    @classmethod
+    def collective_path_s(cls, cfg: Config, device: torch.device, repeats: int = 25) -> Optional[float]:
+        """FSDP2's collective path at more than one rank: each group's gather copies its shards into one
+        buffer (``all_gather_copy_in``), gathers, and splits the result into per-parameter tensors
+        (``split_with_sizes_copy``), with per-parameter Python and dispatch work around each; at one rank it
+        only copies each parameter (``FSDPParamGroup.unshard``/``wait_for_unshard``'s world-size-1 branch).
+
+        Measured with the public ``unshard()``/``reshard()`` of every group of the sweep's model, barrier
+        aligned, on the world mesh and on a one-rank mesh at the same time, less a bare all-gather of the
+        group's bytes: the mean over groups. The reduce-scatter's path (``chunk_cat`` copy-in, per-parameter
+        views of the reduced shard) has no public entry point; it is taken to cost the same per message.
+        On a 2-core CPU host: ~0.45 ms per message (world path 0.6-0.9 ms, one-rank path 0.1 ms, bare
+        all-gather of 131 KB 0.16 ms), which the links and the 1-rank anchor do not show otherwise.
+        """
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import FSDPModule
+
+        from rayvit.models import build_model
+        from rayvit.projection.collectives import aligned_all_gather_s, aligned_s
+        from rayvit.worker.precision import Precision
+
+        n = world_size()
+        if n <= 1:
+            return None
+        own_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        meshes = {"world": init_device_mesh(device.type, (n,)), "alone": DeviceMesh.from_group(own_group, device.type)}
+        times: dict[str, list[float]] = {}
+        sizes: list[int] = []
+        for key, mesh in meshes.items():
+            torch.manual_seed(cfg.train.seed)
+            precision = Precision(cfg.precision, device, owns_mixed_precision=True)
+            strategy = cls(cfg, precision, device)
+            model = strategy.wrap(precision.prepare_model(build_model(cfg.model).to(device)), mesh=mesh)
+            size = cfg.model.image_size
+            with torch.no_grad():      # FSDP2's lazy initialisation runs on the root's first forward
+                model(torch.randn(1, 3, size, size, device=device, dtype=precision.param_dtype))
+            units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            times[key] = [aligned_s(lambda m=m: (m.unshard(), m.reshard()), device, repeats) for m in units]
+            if key == "world":
+                gathered = strategy.mixed_precision_policy().param_dtype
+                for m in units:
+                    nested = {id(p) for u in m.modules() if u is not m and isinstance(u, FSDPModule)
+                              for p in u.parameters()}
+                    own = [p for p in m.parameters() if id(p) not in nested]
+                    sizes.append(sum(p.to_local().numel() * (gathered or p.dtype).itemsize for p in own) * n)
+            del model
+        # A shard's rows differ by rank (rank 0 holds the most); the gather moves the padded largest.
+        agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        bare = [aligned_all_gather_s(int(size), device, repeats) for size in agreed.tolist()]
+        extra = [w - a - b for w, a, b in zip(times["world"], times["alone"], bare)]
+        dist.destroy_process_group(own_group)
+        return max(0.0, sum(extra) / len(extra)) if extra else None
+
+    def wrap(self, model: nn.Module, mesh=None) -> nn.Module:
+        """Shard ``model`` over ``mesh`` (default: every rank of the process group)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(self.device.type, (world_size(),))
+        mesh = mesh if mesh is not None else init_device_mesh(self.device.type, (world_size(),))
         kwargs = dict(mesh=mesh, reshard_after_forward=self.cfg.parallel.reshard_after_forward,
                       mp_policy=self.mixed_precision_policy())
         # LayerNorm kept in fp32: its parameters form groups of their own with no mixed-precision policy
