@@ -135,13 +135,15 @@ def _in_step(op, device, repeats: int, segment) -> float:
     return statistics.fmean(costs)
 
 
-def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_s: float = 2e-3
+def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_s: float = 2e-3,
+                     in_step_too: bool = True
                      ) -> tuple[dict[str, list[list[float]]], dict[str, list[list[float]]]]:
     """``({kind: [[bytes, seconds], ...]} in a step (means), the same barrier-aligned (medians))``; sizes
-    as nccl-tests counts them (whole array), fp32."""
+    as nccl-tests counts them (whole array), fp32. ``in_step_too=False`` leaves the in-step means empty
+    (a sweep reads the wait between its rounds instead)."""
     import torch.distributed as dist
 
-    segment = _segment(segment_s, device)
+    segment = _segment(segment_s, device) if in_step_too else None
     in_step: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     aligned: dict[str, list[list[float]]] = {k: [] for k in KINDS}
     for size in sizes:
@@ -152,7 +154,8 @@ def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_
             for _ in range(warmup):
                 op()
             aligned[kind].append([nbytes, aligned_s(op, device, repeats)])
-            in_step[kind].append([nbytes, _in_step(op, device, 2 * repeats, segment)])
+            if segment is not None:
+                in_step[kind].append([nbytes, _in_step(op, device, 2 * repeats, segment)])
     return in_step, aligned
 
 
@@ -243,11 +246,15 @@ def _train_probe(model_cfg: Optional[dict], device, batch: int):
     return step
 
 
-def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: int = 3,
-                         steps: int = 4) -> float:
-    """Median over rounds of (rank 0's step time while every rank computes) / (while the others sleep).
+def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: int = 5,
+                         steps: int = 10) -> float:
+    """Median over rounds of (rank 0's mean step time while every rank computes) / (while the others sleep).
 
-    Sleeping ranks use no CPU, so 'alone' really is alone; alternating rounds cancel drift.
+    Sleeping ranks use no CPU, so 'alone' really is alone; alternating rounds cancel drift. Means over
+    ``steps``, not medians: throughput is a mean, and what a busy host costs is mostly the rare step a
+    background process (Ray's own, the OS's) lands on, which has a spare core to run on while the others
+    sleep and takes a worker's otherwise. Medians of 4 steps read 1.00 on a 2-core host where rayvit's
+    own loop slowed by 5% (10.26 -> 10.80 ms a step with both workers training, no communication).
     """
     import torch
     import torch.distributed as dist
@@ -258,15 +265,24 @@ def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: 
     rank = dist.get_rank()
     one = torch.tensor([_timed_plain(step, device) if rank == 0 else 0.0], dtype=torch.float64, device=device)
     dist.broadcast(one, src=0)
+
+    def mean_step() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / steps
+
     ratios = []
     for _ in range(rounds):
         dist.barrier()
         if rank == 0:
-            alone = statistics.median(_timed_plain(step, device) for _ in range(steps))
+            alone = mean_step()
         else:
             time.sleep(steps * one.item() * 1.5)
         dist.barrier()
-        together = statistics.median(_timed_plain(step, device) for _ in range(steps))
+        together = mean_step()
         if rank == 0:
             ratios.append(together / alone)
     mine = torch.tensor([statistics.median(ratios) if rank == 0 else 0.0], dtype=torch.float64, device=device)
@@ -311,13 +327,14 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     dist.all_gather_object(hosts, socket.gethostname())
     start = time.perf_counter()
     sizes = config.get("sizes") or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
-    points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)))
     # The wait read between a worker group's rounds (``host_waits``: wait curves, or single 2-ms readings
-    # from older callers) covers the minutes the points were measured in; else it is read here.
-    pooled = host_wait(points, aligned)
+    # from older callers) covers the minutes the points were measured in; else it is read here. With
+    # curves from the rounds, the per-kind in-step means would only repeat them (1.5 s on 2 CPU cores).
     during = list(config.get("host_waits") or [])
     curves = [c for c in during if isinstance(c, (list, tuple))]
     flat = [float(w) for w in during if not isinstance(w, (list, tuple))]
+    points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)), in_step_too=not curves)
+    pooled = None if curves else host_wait(points, aligned)
     curve = mean_curve(curves) if curves else None if flat else wait_curve(device)
     wait = curve[0][1] if curve else statistics.fmean(flat)
     slowdown = shared_host_slowdown(device, config.get("model"), int(config.get("batch", 8)))
