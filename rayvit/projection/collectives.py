@@ -421,19 +421,19 @@ def describe(links: dict[str, Any]) -> str:
     and each strategy's own host path per collective, where measured."""
     during = " (read between the rounds)" if links.get("host_waits_during_rounds") else ""
     curve = links.get("host_wait_curve")
-    if curve:
-        wait = (f"latency below is the transfer's; each message adds the wait for the slowest rank by the compute before "
-                f"it{during}: " + ", ".join(f"{w * 1e6:.0f} us after {g * 1e3:g} ms" for g, w in curve))
-        latency = "transfer_latency_s"
-    else:
-        wait = f"latency includes {links.get('host_wait_s', 0) * 1e6:.0f} us waiting for the slowest rank{during}"
-        latency = "latency_s"
-    lines = [f"collectives over {links['world_size']} {links['backend']} ranks on {links['nodes']} node(s) "
-             f"(shared-host slowdown {links.get('shared_host_slowdown', 1):.2f}, memory copy "
-             f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s); {wait}:"]
+    head = (f"collectives over {links['world_size']} {links['backend']} ranks on {links['nodes']} node(s) "
+            f"(shared-host slowdown {links.get('shared_host_slowdown', 1):.2f}, memory copy "
+            f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s)")
+    if not curve:
+        head += f"; latency includes {links.get('host_wait_s', 0) * 1e6:.0f} us waiting for the slowest rank{during}"
+    lines = [head + ":"]
+    latency = "transfer_latency_s" if curve else "latency_s"
     for kind, c in links["collectives"].items():
         lines.append(f"  {kind:<15} latency {c.get(latency, c['latency_s']) * 1e6:8.0f} us  "
                      f"busbw {c['busbw'] / 1e9:7.2f} GB/s")
+    if curve:
+        lines.append(f"  each message also waits for the slowest rank, more the longer the compute before it{during}: "
+                     + ", ".join(f"{w * 1e6:.0f} us after {g * 1e3:g} ms" for g, w in curve))
     for name, seconds in (links.get("collective_path_s") or {}).items():
         lines.append(f"  {name}'s own host path per collective (beyond its one-rank path): {seconds * 1e6:.0f} us")
     return "\n".join(lines)

@@ -250,6 +250,25 @@ def test_measured_waits_follow_each_strategys_gap_and_fsdps_path_is_added_per_me
     assert flat.link("all_gather", 2).wait_s(10e-3) == 0.0
 
 
+def test_the_sweeps_links_lines_show_transfer_latencies_the_wait_curve_and_fsdps_path():
+    from rayvit.projection.collectives import describe
+
+    kinds = {"all_reduce": {"latency_s": 1.1e-3, "transfer_latency_s": 0.2e-3, "busbw": 1.8e9}}
+    links = {"backend": "gloo", "world_size": 2, "nodes": 1, "shared_host_slowdown": 1.03, "memory_bw": 17e9,
+             "seconds": 2.3, "host_wait_s": 0.9e-3, "host_waits_during_rounds": [[[2e-3, 0.9e-3], [10e-3, 1.2e-3]]],
+             "host_wait_curve": [[2e-3, 0.9e-3], [10e-3, 1.2e-3]], "collective_path_s": {"fsdp": 0.5e-3},
+             "collectives": kinds}
+    lines = describe(links).splitlines()
+    assert lines[0].endswith("2.3 s):") and "slowdown 1.03" in lines[0]
+    assert lines[1].split() == ["all_reduce", "latency", "200", "us", "busbw", "1.80", "GB/s"]
+    assert lines[2].endswith("(read between the rounds): 900 us after 2 ms, 1200 us after 10 ms")
+    assert lines[3] == "  fsdp's own host path per collective (beyond its one-rank path): 500 us"
+    # Older links (no curve): one flat wait, inside each latency.
+    old = describe({**links, "host_wait_curve": None, "collective_path_s": {}}).splitlines()
+    assert old[0].endswith("latency includes 900 us waiting for the slowest rank (read between the rounds):")
+    assert old[1].split()[2] == "1100" and len(old) == 2
+
+
 def test_measured_links_override_the_profile_within_their_span():
     links = {"backend": "nccl", "world_size": 16, "nodes": 2, "shared_host_slowdown": 1.0,
              "collectives": {"all_reduce": {"latency_s": 1e-4, "busbw": 5e9}}}
