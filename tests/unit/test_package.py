@@ -63,17 +63,27 @@ def test_a_wheel_installed_elsewhere_runs_its_commands_from_an_empty_directory(t
     run_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     run_env.update(RAYVIT_HOME=str(tmp_path / "home"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
 
-    def rayvit(*args: str) -> str:
-        proc = subprocess.run([str(env / "bin" / "rayvit"), *args], cwd=empty, env=run_env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"rayvit {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
-        return proc.stdout + proc.stderr
-
-    where = subprocess.run([str(env / "bin" / "python"), "-c", "import rayvit; print(rayvit.__file__)"], cwd=empty,
-                           env=run_env, capture_output=True, text=True, check=True).stdout.strip()
+    # The three dry runs write nothing anywhere, so they run at once (each is mostly imports: ~3 s of one
+    # core), while this process asks the installed python where rayvit comes from.
+    commands = {"sweep": ("sweep", "--dry-run"), "ladder": ("sweep", "--dry-run", "--config", "ladder_cpu.yaml"),
+                "search": ("search", "--dry-run")}
+    procs = {key: subprocess.Popen([str(env / "bin" / "rayvit"), *args], cwd=empty, env=run_env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for key, args in commands.items()}
+    try:
+        where = subprocess.run([str(env / "bin" / "python"), "-c", "import rayvit; print(rayvit.__file__)"],
+                               cwd=empty, env=run_env, capture_output=True, text=True, check=True).stdout.strip()
+        outputs = {}
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"rayvit {' '.join(commands[key])}:\n{stdout}\n{stderr}"
+            outputs[key] = stdout + stderr
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
     assert where.startswith(str(env)), where            # the installed copy, not this checkout
-    assert "ddp" in rayvit("sweep", "--dry-run")
-    ladder = rayvit("sweep", "--dry-run", "--config", "ladder_cpu.yaml")   # a config the package ships
-    assert "7-full_half" in ladder
-    assert "baseline" in rayvit("search", "--dry-run")
+    assert "ddp" in outputs["sweep"]
+    assert "7-full_half" in outputs["ladder"]           # a config the package ships
+    assert "baseline" in outputs["search"]
     assert list(empty.iterdir()) == []                  # nothing written where it ran
