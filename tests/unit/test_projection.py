@@ -364,6 +364,7 @@ def test_the_wait_for_the_slowest_rank_is_one_figure_pooled_over_kinds_and_sizes
 def _links_with_waits(rank):
     import torch
 
+    torch.set_num_threads(1)        # as a sweep's workers: see _links_with_curves_and_paths
     read = wait_probe(torch.device("cpu"), repeats=10)
     links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "host_waits": [1e-3, 3e-3]})
     return read, links
@@ -374,11 +375,19 @@ def _links_with_curves_and_paths(rank):
 
     from rayvit.projection.collectives import wait_curve
 
+    # One thread per rank, as a sweep's workers have (cpus_per_worker): two ranks of two OpenMP threads on
+    # two cores spin on each other, and the 10-ms segments' matmuls then took up to 50 s.
+    torch.set_num_threads(1)
     curve = wait_curve(torch.device("cpu"), seconds_each=0.05)
     cfgs = [load_config(DEFAULT, [f"parallel.strategy={s}"]).to_dict() for s in ("ddp", "fsdp")]
     links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "strategy_configs": cfgs,
                               "host_waits": [[[2e-3, 1e-3], [10e-3, 2e-3]], [[2e-3, 3e-3], [10e-3, 4e-3]]]})
-    return curve, links
+    from rayvit.worker.strategies.fsdp import FSDP
+
+    # bf16 gathers from fp32 shards, with the LayerNorm groups of their own that `mixed` adds.
+    mixed = FSDP.collective_path_s(load_config(DEFAULT, ["parallel.strategy=fsdp", "precision.mode=mixed",
+                                                         "precision.dtype=bf16"]), torch.device("cpu"))
+    return curve, links, mixed
 
 
 @pytest.mark.slow
@@ -386,12 +395,13 @@ def test_links_carry_the_wait_curve_read_between_rounds_and_fsdps_own_path(tmp_p
     """Between rounds the workers read the wait after 2 and 10 ms of compute; the links average those
     readings, keep each kind's transfer latency apart, and measure FSDP2's host path per collective (a
     strategy without one, DDP, gets none)."""
-    (curve, links), (_, nothing) = two_ranks(tmp_path, _links_with_curves_and_paths)
+    (curve, links, mixed), (_, nothing, _) = two_ranks(tmp_path, _links_with_curves_and_paths)
     assert [g for g, _ in curve] == [2e-3, 10e-3] and all(w >= 0 for _, w in curve) and nothing == {}
     assert [g for g, _ in links["host_wait_curve"]] == [2e-3, 10e-3]
     assert [w for _, w in links["host_wait_curve"]] == pytest.approx([2e-3, 3e-3])
     assert links["host_wait_s"] == pytest.approx(2e-3)
     assert set(links["collective_path_s"]) == {"fsdp"} and links["collective_path_s"]["fsdp"] > 0
+    assert mixed > 0
     profile = with_measured_links(cpu_profile(), links)
     for kind, link in links["collectives"].items():
         assert profile.link(kind, 2).latency_s == pytest.approx(link["transfer_latency_s"])

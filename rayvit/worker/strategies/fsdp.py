@@ -119,8 +119,9 @@ class FSDP(Strategy):
             strategy = cls(cfg, precision, device)
             model = strategy.wrap(precision.prepare_model(build_model(cfg.model).to(device)), mesh=mesh)
             size = cfg.model.image_size
-            with torch.no_grad():      # FSDP2's lazy initialisation runs on the root's first forward
-                model(torch.randn(1, 3, size, size, device=device, dtype=precision.param_dtype))
+            images = torch.randn(1, 3, size, size, device=device)
+            with torch.no_grad(), precision.autocast():    # FSDP2 initialises lazily, on the first forward
+                model(precision.cast_inputs(images))
             units = [m for m in model.modules() if isinstance(m, FSDPModule)]
             times[key] = [aligned_s(lambda m=m: (m.unshard(), m.reshard()), device, repeats) for m in units]
             if key == "world":
