@@ -335,7 +335,12 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     flat = [float(w) for w in during if not isinstance(w, (list, tuple))]
     points, aligned = time_collectives(device, sizes, repeats=int(config.get("repeats", 15)), in_step_too=not curves)
     pooled = None if curves else host_wait(points, aligned)
-    curve = mean_curve(curves) if curves else None if flat else wait_curve(device)
+    if curves:
+        curve: Optional[list[list[float]]] = mean_curve(curves)
+    elif flat:
+        curve = None            # older callers' single readings: one flat wait, as before
+    else:
+        curve = wait_curve(device)
     wait = curve[0][1] if curve else statistics.fmean(flat)
     slowdown = shared_host_slowdown(device, config.get("model"), int(config.get("batch", 8)))
     bandwidth = copy_bandwidth(device, 1024 if device.type == "cuda" else 64)
@@ -357,7 +362,7 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     return links if dist.get_rank() == 0 else {}
 
 
-def collective_paths(cfgs: list, device) -> dict[str, Optional[float]]:
+def collective_paths(cfgs: list, device) -> dict[str, float]:
     """Each strategy's own host work per collective at this world size (``Strategy.collective_path_s``),
     by strategy name, for the configs given (one per strategy; their model, precision and seed). A
     strategy whose probe fails is left out with a warning: the projection then costs its messages

@@ -111,33 +111,35 @@ class FSDP(Strategy):
             return None
         own_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         meshes = {"world": init_device_mesh(device.type, (n,)), "alone": DeviceMesh.from_group(own_group, device.type)}
-        times: dict[str, list[float]] = {}
-        sizes: list[int] = []
-        for key, mesh in meshes.items():
-            torch.manual_seed(cfg.train.seed)
-            precision = Precision(cfg.precision, device, owns_mixed_precision=True)
-            strategy = cls(cfg, precision, device)
-            model = strategy.wrap(precision.prepare_model(build_model(cfg.model).to(device)), mesh=mesh)
-            size = cfg.model.image_size
-            images = torch.randn(1, 3, size, size, device=device)
-            with torch.no_grad(), precision.autocast():    # FSDP2 initialises lazily, on the first forward
-                model(precision.cast_inputs(images))
-            units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-            times[key] = [aligned_s(lambda m=m: (m.unshard(), m.reshard()), device, repeats) for m in units]
-            if key == "world":
-                gathered = strategy.mixed_precision_policy().param_dtype
-                for m in units:
-                    nested = {id(p) for u in m.modules() if u is not m and isinstance(u, FSDPModule)
-                              for p in u.parameters()}
-                    own = [p for p in m.parameters() if id(p) not in nested]
-                    sizes.append(sum(p.to_local().numel() * (gathered or p.dtype).itemsize for p in own) * n)
-            del model
-        # A shard's rows differ by rank (rank 0 holds the most); the gather moves the padded largest.
-        agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        bare = [aligned_all_gather_s(int(size), device, repeats) for size in agreed.tolist()]
-        extra = [w - a - b for w, a, b in zip(times["world"], times["alone"], bare)]
-        dist.destroy_process_group(own_group)
+        try:
+            times: dict[str, list[float]] = {}
+            sizes: list[int] = []
+            for key, mesh in meshes.items():
+                torch.manual_seed(cfg.train.seed)
+                precision = Precision(cfg.precision, device, owns_mixed_precision=True)
+                strategy = cls(cfg, precision, device)
+                model = strategy.wrap(precision.prepare_model(build_model(cfg.model).to(device)), mesh=mesh)
+                size = cfg.model.image_size
+                images = torch.randn(1, 3, size, size, device=device)
+                with torch.no_grad(), precision.autocast():    # FSDP2 initialises lazily, on the first forward
+                    model(precision.cast_inputs(images))
+                units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+                times[key] = [aligned_s(lambda m=m: (m.unshard(), m.reshard()), device, repeats) for m in units]
+                if key == "world":
+                    gathered = strategy.mixed_precision_policy().param_dtype
+                    for m in units:
+                        nested = {id(p) for u in m.modules() if u is not m and isinstance(u, FSDPModule)
+                                  for p in u.parameters()}
+                        own = [p for p in m.parameters() if id(p) not in nested]
+                        sizes.append(sum(p.to_local().numel() * (gathered or p.dtype).itemsize for p in own) * n)
+                del model
+            # A shard's rows differ by rank (rank 0 holds the most); the gather moves the padded largest.
+            agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            bare = [aligned_all_gather_s(int(size), device, repeats) for size in agreed.tolist()]
+            extra = [w - a - b for w, a, b in zip(times["world"], times["alone"], bare)]
+        finally:
+            dist.destroy_process_group(own_group)
         return max(0.0, sum(extra) / len(extra)) if extra else None
 
     def wrap(self, model: nn.Module, mesh=None) -> nn.Module:
