@@ -21,8 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-# The configs shipped with the package (the same files as experiments/configs in a checkout).
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from rayvit.config import SHIPPED_CONFIGS as CONFIGS, config_path
 TRACKING_HELP = ("tracking store: tracking.uri if set, else $MLFLOW_TRACKING_URI, else "
                  "sqlite:///~/.rayvit/mlflow.db ($RAYVIT_HOME moves it)")
 
@@ -103,18 +102,6 @@ PROJECT_EXAMPLES = """examples:
   %(prog)s --config experiments/configs/study_a100.yaml --hardware a100-80gb h100-sxm h200
   %(prog)s --config experiments/configs/study_a100.yaml --measured results/gpu_check.json
   %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)"""
-
-
-def config_path(value: str) -> str:
-    """``--config``: a YAML file, else the name of one shipped with rayvit (``ladder_cpu.yaml`` or
-    ``ladder_cpu``), so that an installed rayvit runs its configs from any directory. Anything else is
-    left as given: loading it reports the missing file."""
-    if Path(value).is_file():
-        return value
-    for name in (value, f"{value}.yaml"):
-        if Path(name).name == name and (CONFIGS / name).is_file():
-            return str(CONFIGS / name)
-    return value
 
 
 def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",

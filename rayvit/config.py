@@ -310,22 +310,60 @@ STUDY_SECTIONS = ("sweep", "search", "tracking")
 # Loading
 
 
+# The configs shipped with the package (the same files as experiments/configs in a checkout).
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def config_path(value: str | os.PathLike) -> str:
+    """A YAML file, else the name of one shipped with rayvit (``ladder_cpu.yaml`` or ``ladder_cpu``), so that
+    an installed rayvit runs its configs from any directory. Anything else is returned as given: loading
+    it reports the missing file and the shipped names."""
+    value = os.fspath(value)
+    if Path(value).is_file():
+        return value
+    for name in (value, f"{value}.yaml"):
+        if Path(name).name == name and (SHIPPED_CONFIGS / name).is_file():
+            return str(SHIPPED_CONFIGS / name)
+    return value
+
+
+def shipped_configs() -> list[str]:
+    """The names of the configs rayvit ships (``cpu_default``, ``ladder_cpu``, ...)."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
 def load_study(path: str | os.PathLike | None = None,
                overrides: Iterable[str] | dict[str, Any] = ()) -> Study:
-    """Read a YAML file (or the defaults), apply ``section.key=value`` overrides, build and validate."""
-    return study_from_dict(read_yaml(path) if path is not None else {}, overrides)
+    """Read a YAML file or a shipped config's name (or the defaults), apply ``section.key=value``
+    overrides, build and validate."""
+    return study_from_dict(read_yaml(config_path(path)) if path is not None else {}, overrides)
 
 
 def load_config(path: str | os.PathLike | None = None,
                 overrides: Iterable[str] | dict[str, Any] = ()) -> Config:
-    """The run config of a YAML file: as :func:`load_study`, whose sweep and search sections are
-    checked too (a typo there is still an error) but not kept."""
+    """The run config of a YAML file or a shipped config (``load_config("cpu_default")``): as
+    :func:`load_study`, whose sweep and search sections are checked too (a typo there is still an error)
+    but not kept."""
     return load_study(path, overrides).run
+
+
+def as_config(cfg: "Config | dict[str, Any] | str | os.PathLike") -> "Config":
+    """A :class:`Config` from what a public entry point was given: a Config (as is), its dict form
+    (``Config.to_dict()``, validated) or a YAML file / shipped config name (:func:`load_config`)."""
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, dict):
+        return from_dict(cfg)
+    if isinstance(cfg, (str, os.PathLike)):
+        return load_config(cfg)
+    raise ConfigError(f"expected a rayvit Config, its dict form or a config file / shipped name "
+                      f"({', '.join(shipped_configs())}), got {type(cfg).__name__}")
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path} (nor is it one of the configs rayvit ships: "
+                          f"{', '.join(shipped_configs())})")
     with open(path) as f:
         try:
             data = yaml.safe_load(f) or {}

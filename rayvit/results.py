@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -105,6 +106,14 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def report_metrics(self) -> dict[str, Any]:
+        """The run as one flat report (``ray.train.report``, a Tune result): its conditions, every finite
+        figure with its ``_lo``/``_hi``, and ``restarts``. A figure without a value (NaN) is left out, as in
+        :data:`METRIC_KEYS`: absent, never zero."""
+        figures = {k: v for k, v in self.metrics.items()
+                   if isinstance(v, (int, float)) and math.isfinite(v)}
+        return {**self.conditions, **figures, "restarts": self.restarts}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunResult":

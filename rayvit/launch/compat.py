@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rayvit import process_state
+
 logger = logging.getLogger(__name__)
 
 
@@ -86,10 +88,13 @@ def route_worker_output(handler, keep_ray_printer: bool = False) -> bool:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:
         return False
+    before = list(dispatcher.handlers)
     if not keep_ray_printer:
         dispatcher.remove_handler("ray_print_logs")
     dispatcher.remove_handler("rayvit_worker_output")
     dispatcher.add_handler("rayvit_worker_output", handler)
+    # Inside a rayvit entry point, Ray prints its workers' output as before once it returns.
+    process_state.on_exit(lambda: setattr(dispatcher, "handlers", before))
     return True
 
 

@@ -25,10 +25,13 @@ finds none and needs none.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from typing import Optional
+
+from rayvit import process_state
 
 __all__ = ["ensure_ray", "started_local", "check_cluster", "resolve_address", "cluster_auth_mode", "ConnectError",
            "ClusterUnreachable", "ClusterAuthError", "CONNECT_TIMEOUT_S"]
@@ -66,22 +69,68 @@ def ensure_ray(address: Optional[str] = None, *, timeout_s: float = CONNECT_TIME
 
     A no-op when Ray is already initialised (the caller's own ``ray.init`` wins). Raises
     ``ClusterUnreachable`` or ``ClusterAuthError`` within about ``timeout_s`` when attaching fails.
+
+    ``RAY_AUTH_MODE`` and the ``ray`` logger's level are set for ``ray.init`` only and put back once it
+    returns (Ray keeps the mode it started in). Inside a rayvit entry point
+    (:func:`rayvit.process_state.kept`) they stay set until that entry point returns, and Ray is
+    shut down (or detached from) then.
     """
     import ray
 
     global _started_here
     if ray.is_initialized():
         return
-    target = check_cluster(address, timeout_s=timeout_s)
-    _started_here = target is None
-    if target is None:
-        _start_local()
-        return
+    mode_before = os.environ.get(_AUTH_MODE)
+    scoped = process_state.on_exit(lambda: _disconnect(mode_before))
+    with contextlib.ExitStack() as stack:
+        if not scoped:
+            stack.enter_context(_init_only(mode_before))
+        target = check_cluster(address, timeout_s=timeout_s)
+        _started_here = target is None
+        if target is None:
+            _start_local()
+            return
+        try:
+            ray.init(address=target, logging_level=logging.WARNING)   # never num_cpus when attaching
+        except ConnectionError as e:
+            raise ClusterUnreachable(f"the Ray cluster at {target} answered but attaching failed: {e}. "
+                                     f"Check `ray status --address {target}` on the head node") from e
+
+
+@contextlib.contextmanager
+def _init_only(mode_before: Optional[str]):
+    """``RAY_AUTH_MODE`` and the ``ray`` logger as they were once ``ray.init`` has returned (or failed)."""
+    ray_logger = logging.getLogger("ray")
+    level, handlers = ray_logger.level, list(ray_logger.handlers)
     try:
-        ray.init(address=target, logging_level=logging.WARNING)   # never num_cpus when attaching
-    except ConnectionError as e:
-        raise ClusterUnreachable(f"the Ray cluster at {target} answered but attaching failed: {e}. "
-                                 f"Check `ray status --address {target}` on the head node") from e
+        yield
+    finally:
+        _put_back_auth_mode(mode_before)
+        ray_logger.setLevel(level)
+        ray_logger.handlers[:] = handlers
+
+
+def _put_back_auth_mode(mode_before: Optional[str]) -> None:
+    global _mode_we_set
+    if mode_before is None:
+        os.environ.pop(_AUTH_MODE, None)
+    else:
+        os.environ[_AUTH_MODE] = mode_before
+    _mode_we_set = None
+
+
+def _disconnect(mode_before: Optional[str]) -> None:
+    """The end of the rayvit entry point that reached Ray: stop the local instance it started (or detach
+    from the cluster), then make Ray's cached auth mode the caller's again."""
+    import ray
+
+    from rayvit.launch import compat
+
+    global _started_here
+    ray.shutdown()
+    _started_here = False
+    _put_back_auth_mode(mode_before)
+    compat.reload_auth_mode()
 
 
 def started_local() -> bool:

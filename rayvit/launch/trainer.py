@@ -1,12 +1,13 @@
 """The Ray layer: run ``rayvit.worker.train`` on Ray Train workers.
 
-Three entry points, smallest first:
+Entry points, smallest first:
 
-- ``train_loop_per_worker(config)``: the function any ``TorchTrainer`` can run; ``config["rayvit"]`` is
-  a config dict (``Config.to_dict()``).
-- ``build_trainer(cfg, datasets=None, run_config=None) -> TorchTrainer``: scaling, backend, failure
-  handling and datasets derived from the config, for callers who want to ``fit()`` themselves.
-- ``fit(cfg) -> RunResult``: run it and return the typed summary; raises ``TrainingError`` on failure.
+- ``train_loop_per_worker(config)``: the function any ``TorchTrainer`` can run, with
+  ``train_loop_config=loop_config(cfg)`` and ``scaling_config=scaling_config(cfg)``.
+- ``make_trainer(cfg, ...) -> TorchTrainer``: scaling, backend, failure handling and datasets derived from
+  the config and checked on the driver, for callers who want to ``fit()`` themselves or inside Ray Tune.
+- ``fit(cfg) -> RunResult`` and ``fit_group(cfgs, rounds) -> GroupResult``: run and return the typed
+  summary; raise ``TrainingError`` on failure.
 
 Ray is started locally when the caller has not initialised it, and attached to, in the cluster's own
 authentication mode, when ``RAY_ADDRESS`` is set (as under ``ray job submit``; :mod:`rayvit.launch.connect`).
@@ -30,46 +31,56 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayvit.config import Config, from_dict
+from rayvit import process_state
+from rayvit.config import Config, ConfigError, as_config, from_dict
 from rayvit.launch import capacity
+from rayvit.launch.capacity import ClusterTooSmall
 from rayvit.launch.connect import ensure_ray, started_local
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import worker_bundle
-from rayvit.launch.storage import check_storage, storage_path
+from rayvit.launch.storage import StorageError, check_storage, storage_path
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
-from rayvit.worker.metrics import images_per_sec
 
 logger = logging.getLogger(__name__)
 
 
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-_USER_HEALTH_CHECK = os.environ.get(HEALTH_CHECK_ENV)
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-_USER_PREEMPTION_WATCHER = os.environ.get(PREEMPTION_WATCHER_ENV)
+# The keys of a final report and what it stands for (see train_loop_per_worker).
+FINAL_KEY = "final"
+SUMMARY_FILE = "rayvit_summary.json"
 
 
-def train_environment(cfg: Config, reports: bool = True) -> None:
-    """Ray Train's settings that only environment variables reach, set before its controller starts
-    (the driver's values are propagated to the controller and the workers); a user's own value stays."""
+def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[str]]:
+    """Ray Train's settings that only environment variables reach, for one ``fit()``: ``{name: value}``,
+    None where the variable must be unset. Ray Train reads them when its controller starts (the driver's
+    values are propagated to the controller and the workers); a value the caller set stays."""
+    env: dict[str, Optional[str]] = {}
     # Each ray.train.report() waits for the controller's health-check tick (2 s by default): a shorter
     # tick makes reports cheap. A worker group measuring rounds never reports, and keeps Ray's 2 s, so
     # that the controller polls its workers less often while they time steps.
-    if _USER_HEALTH_CHECK is None:
-        os.environ[HEALTH_CHECK_ENV] = "0.5" if reports else "2"
+    if os.environ.get(HEALTH_CHECK_ENV) is None:
+        env[HEALTH_CHECK_ENV] = "0.5" if reports else "2"
     # How long a placed worker group may take to start: launch.worker_start_timeout_s, else the variable,
     # else 30 s (Ray's 60 s default is long for a group that cannot start on a fixed cluster; points that
     # need new nodes wait for them before Ray Train starts, in rayvit.launch.capacity).
-    os.environ[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
+    env[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
     # Ray Train starts a preemption watcher for every worker group, after the workers start: its process
     # imports Ray Train (~1 s of a core) while the group's first steps are timed (measured on a 2-core
     # host: the first round's first point ~15% slower than its later rounds). On a local instance rayvit
     # started there is no node a provider can drain, so it has nothing to watch; on clusters it stays.
-    if _USER_PREEMPTION_WATCHER is None:
-        if started_local():
-            os.environ[PREEMPTION_WATCHER_ENV] = "0"
+    if os.environ.get(PREEMPTION_WATCHER_ENV) is None:
+        env[PREEMPTION_WATCHER_ENV] = "0" if started_local() else None
+    return env
+
+
+def _apply(env: dict[str, Optional[str]]) -> None:
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
         else:
-            os.environ.pop(PREEMPTION_WATCHER_ENV, None)
+            os.environ[key] = value
 
 
 class TrainingError(RuntimeError):
@@ -88,15 +99,27 @@ def check_cluster_fits(cfgs: list[Config]) -> list:
     return capacity.check_plan(cfgs)
 
 
+# --------------------------------------------------------------------------------------------------
+# The worker side
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}``. Returns the summary dict.
+    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}`` (:func:`loop_config`).
+    Returns the summary dict; every ``train.report_every`` steps it reports the running figures, and once
+    more at the end the run's summary (see :func:`make_trainer`).
 
     With ``config["group"]`` (a list of config dicts) and ``config["rounds"]``, the workers measure every
     config of the group in interleaved rounds instead (:func:`rayvit.worker.rounds.measure_rounds`) and
     return ``{"group": [one entry per config]}``.
     """
     cfg = from_dict(config["rayvit"])
+    _check_worker_matches(cfg)
     device = ray.train.torch.get_device() if cfg.parallel.use_gpu else torch.device("cpu")
+    if device.type == "cpu":
+        # The inter-op pool can be sized once per process, before any inter-op work: this Ray worker is
+        # rayvit's own process, so it is sized here, to the CPUs the worker was given.
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(cfg.parallel.cpus_per_worker)
     shards = {}
     for name in ("train", "val"):
         try:
@@ -127,22 +150,39 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_worker_matches(cfg: Config) -> None:
+    """A ``TorchTrainer`` built by hand may give more workers or CPUs than the config says: every figure
+    would then be stated for the wrong world size or thread count. Refused on the first worker."""
+    p = cfg.parallel
+    context = ray.train.get_context()
+    world = context.get_world_size()
+    given = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    problems = []
+    if world != p.num_workers:
+        problems.append(f"the ScalingConfig started {world} workers, the config says parallel.num_workers="
+                        f"{p.num_workers}")
+    if given is not None and round(given) != p.cpus_per_worker:
+        problems.append(f"each worker was given {given:g} CPUs, the config says parallel.cpus_per_worker="
+                        f"{p.cpus_per_worker}")
+    if problems:
+        raise ConfigError("; ".join(problems) + ". Build the trainer with rayvit.trainer.make_trainer(cfg), or "
+                          "pass scaling_config=rayvit.trainer.scaling_config(cfg) to your TorchTrainer")
+
+
 def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards: Optional[dict]) -> RunResult:
     t = cfg.train
 
     def report(metrics: dict, session: Session) -> None:
-        metrics = {**metrics, "restarts": session.restarts}
-        if session.step_times:
-            window = session.step_times[-t.report_every:]
-            metrics["images_per_sec_per_chip"] = images_per_sec(t.batch_size, len(window), sum(window))
-        # A single batch's loss is noisy; schedulers such as ASHA compare trials on the window's mean.
-        recent = session.history[-t.report_every:]
-        metrics["loss_mean"] = sum(h["loss"] for h in recent) / len(recent)
-        if session.evals:
-            metrics["val_accuracy"] = session.evals[-1]["val_accuracy"]
-        if t.checkpoint_every and session.step % t.checkpoint_every == 0:
+        final = bool(metrics.get(FINAL_KEY))
+        if final or (t.checkpoint_every and session.step % t.checkpoint_every == 0):
             with tempfile.TemporaryDirectory() as tmp:
-                session.save_checkpoint(tmp)
+                if t.checkpoint_every:
+                    session.save_checkpoint(tmp)
+                if final and session.rank == 0:
+                    # Ray Train builds Result.metrics from the last report that carried a checkpoint: the
+                    # final one always does, with the summary in it, so result.metrics holds the figures.
+                    with open(os.path.join(tmp, SUMMARY_FILE), "w") as f:
+                        json.dump(metrics, f, default=str)
                 # Ranks that wrote nothing (replicated strategies: rank 0 writes the full copy) report none.
                 checkpoint = Checkpoint.from_directory(tmp) if os.listdir(tmp) else None
                 ray.train.report(metrics, checkpoint=checkpoint)
@@ -151,6 +191,8 @@ def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards
 
     checkpoint = ray.train.get_checkpoint()
     with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
+        if resume_from is not None and not os.path.exists(os.path.join(resume_from, "meta.json")):
+            resume_from = None      # a summary-only final checkpoint: nothing to resume from
         return train(cfg, device=device, dataset_shards=shards, report=report, resume_from=resume_from,
                      on_step=config.get("progress"))
 
@@ -172,52 +214,146 @@ def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def build_trainer(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
-                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
-                  group: Optional[list[Config]] = None, rounds: int = 1) -> TorchTrainer:
-    """A ``TorchTrainer`` for ``cfg``: one worker per chip, gloo on CPU and nccl on GPU.
+# --------------------------------------------------------------------------------------------------
+# The driver side
 
-    ``progress`` is called by every worker after every step (see :mod:`rayvit.launch.progress`).
-    ``measure_links``: options of the collective microbenchmark the workers run after training
-    (``{}`` for the defaults), returned in ``RunResult.links``. ``group``: configs to measure on these
-    workers in ``rounds`` interleaved rounds instead of training ``cfg`` (see :func:`fit_group`).
+
+def scaling_config(cfg: Config | dict) -> ScalingConfig:
+    """The ``ScalingConfig`` a run of ``cfg`` needs: one worker per chip, ``parallel.cpus_per_worker`` CPUs
+    (and a GPU) each, its accelerator type and placement strategy."""
+    return _scaling(as_config(cfg))
+
+
+def _scaling(cfg: Config) -> ScalingConfig:
+    p = cfg.parallel
+    return ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=worker_bundle(cfg),
+                         accelerator_type=p.accelerator_type, placement_strategy=p.placement_strategy)
+
+
+def loop_config(cfg: Config | dict) -> dict[str, Any]:
+    """The ``train_loop_config`` of :func:`train_loop_per_worker` for ``cfg``, validated here on the driver
+    (a typo is a ``ConfigError`` now, not a worker's error seconds later)."""
+    return {"rayvit": as_config(cfg).to_dict()}
+
+
+def _check_scaling(cfg: Config, given: ScalingConfig) -> None:
+    """A ScalingConfig the caller passed must agree with the config its figures are stated for."""
+    wanted = _scaling(cfg)
+    problems = []
+    if given.num_workers != wanted.num_workers:
+        problems.append(f"num_workers={given.num_workers} against parallel.num_workers={wanted.num_workers}")
+    if bool(given.use_gpu) != bool(wanted.use_gpu):
+        problems.append(f"use_gpu={given.use_gpu} against parallel.use_gpu={wanted.use_gpu}")
+    cpus = (given.resources_per_worker or {}).get("CPU")
+    if cpus is not None and cpus != wanted.resources_per_worker["CPU"]:
+        problems.append(f"resources_per_worker CPU={cpus:g} against parallel.cpus_per_worker="
+                        f"{cfg.parallel.cpus_per_worker}")
+    if problems:
+        raise ConfigError(f"the scaling_config given disagrees with the rayvit config: {'; '.join(problems)}. "
+                          "Set these in the config (e.g. parallel.num_workers) and leave scaling_config out: "
+                          "make_trainer derives it")
+
+
+class RayvitTrainer(TorchTrainer):
+    """A ``TorchTrainer`` running rayvit's worker loop for one config (or a group measured in rounds).
+
+    Everything a caller could get wrong is checked when it is built (the config, a ScalingConfig that
+    disagrees with it, the datasets' columns) or at the start of :meth:`fit`, before any worker starts
+    (a cluster too small, Ray Data with no CPU to read on, checkpoints without shared storage).
+    :meth:`fit` sets Ray Train's environment-only settings for its own duration and leaves the caller's
+    process as it found it (:mod:`rayvit.process_state`).
     """
-    p, t = cfg.parallel, cfg.train
-    train_environment(cfg, reports=group is None)
-    resources = worker_bundle(cfg)
-    scaling = ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=resources,
-                            accelerator_type=p.accelerator_type, placement_strategy=p.placement_strategy)
-    if run_config is None:
-        what = "group" if group is not None else p.strategy
-        run_config = RunConfig(
-            name=f"rayvit-{what}-{p.num_workers}w-{uuid.uuid4().hex[:8]}",
-            storage_path=storage_path(cfg),
-            # controller_failure_limit=0: a worker group that cannot start is an error, never a retry loop.
-            # A group has no checkpoints to restart from: a lost worker ends it (the sweep falls back).
-            failure_config=FailureConfig(max_failures=0 if group is not None else t.max_failures,
-                                         controller_failure_limit=0),
-            checkpoint_config=CheckpointConfig(num_to_keep=2))
-    if datasets is None and cfg.data.name == "parquet":
-        from rayvit.data import ray_datasets
 
-        datasets = ray_datasets(cfg)
-    loop_config = {"rayvit": cfg.to_dict(), "progress": progress, "links": measure_links,
-                   "group": [c.to_dict() for c in group] if group is not None else None, "rounds": rounds}
-    return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
-                        scaling_config=scaling, torch_config=TorchConfig(backend="nccl" if p.use_gpu else "gloo"),
-                        run_config=run_config, datasets=datasets)
+    def __init__(self, cfg: Config | dict, *, scaling_config: Optional[ScalingConfig] = None,
+                 run_config: Optional[RunConfig] = None, datasets: Optional[dict] = None,
+                 progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
+                 group: Optional[list[Config]] = None, rounds: int = 1) -> None:
+        cfg = as_config(cfg)
+        if scaling_config is not None:
+            _check_scaling(cfg, scaling_config)
+        self.rayvit_config, self.rayvit_group = cfg, group
+        self._storage_given = run_config is not None and run_config.storage_path is not None
+        self._reports = group is None
+        if run_config is None:
+            what = "group" if group is not None else cfg.parallel.strategy
+            run_config = RunConfig(
+                name=f"rayvit-{what}-{cfg.parallel.num_workers}w-{uuid.uuid4().hex[:8]}",
+                storage_path=storage_path(cfg),
+                # controller_failure_limit=0: a worker group that cannot start is an error, never a retry
+                # loop. A group has no checkpoints to restart from: a lost worker ends it (the sweep falls back).
+                failure_config=FailureConfig(max_failures=0 if group is not None else cfg.train.max_failures,
+                                             controller_failure_limit=0),
+                checkpoint_config=CheckpointConfig(num_to_keep=2))
+        if datasets is None and cfg.data.name == "parquet":
+            from rayvit.data import ray_datasets
+
+            datasets = ray_datasets(cfg)
+        config = {**loop_config(cfg), "progress": progress, "links": measure_links,
+                  "group": [c.to_dict() for c in group] if group is not None else None, "rounds": rounds}
+        super().__init__(train_loop_per_worker, train_loop_config=config,
+                         scaling_config=scaling_config or _scaling(cfg),
+                         torch_config=TorchConfig(backend="nccl" if cfg.parallel.use_gpu else "gloo"),
+                         run_config=run_config, datasets=datasets)
+
+    def fit(self):
+        """``TorchTrainer.fit()`` after the driver-side checks; Ray is started (and stopped again) when the
+        caller has not started it. ``result.metrics`` holds the run's summary (:func:`make_trainer`)."""
+        with process_state.kept():
+            ensure_ray()
+            cfgs = self.rayvit_group or [self.rayvit_config]
+            check_cluster_fits(cfgs)
+            # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
+            check_storage(cfgs, storage_given=self._storage_given)
+            _apply(train_environment(self.rayvit_config, reports=self._reports))
+            return super().fit()
 
 
-def fit(cfg: Config, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
+def make_trainer(cfg: Config | dict | str, *, scaling_config: Optional[ScalingConfig] = None,
+                 run_config: Optional[RunConfig] = None, datasets: Optional[dict] = None) -> RayvitTrainer:
+    """A ``ray.train.torch.TorchTrainer`` that trains ``cfg`` (a Config, its dict or a config file / shipped
+    name) with rayvit's loop: one worker per chip, gloo on CPU and nccl on GPU.
+
+    ``scaling_config``: derived from the config when left out; one given must agree with it (else
+    ``ConfigError`` naming both values). ``run_config``: yours (add ``TuneReportCallback()`` inside a Tune
+    trial), else rayvit's (storage under ``launch.storage``, no retry loop for a group that cannot start).
+    ``datasets``: ``{"train": ..., "val": ...}`` Ray Datasets, else built from ``data.path`` for
+    ``data.name=parquet``.
+
+    Every ``ray.train.report`` carries the running ``tflops_per_chip``, ``images_per_sec_per_chip``,
+    ``images_per_sec``, ``mfu``, ``step``, ``loss``, ``loss_mean``, ``lr``, ``restarts`` and
+    ``timed_steps`` (rank 0's, over its timed steps so far), and ``val_accuracy`` once evaluated. The
+    last one (``final`` true) carries the run's summary: every figure of
+    :data:`rayvit.results.METRIC_KEYS` the run has, with ``<key>_lo``/``<key>_hi`` for the throughput
+    figures, the final ``val_accuracy``, and the run's conditions; it carries a checkpoint, so
+    ``result.metrics`` holds it (the whole summary is also ``result.return_value``).
+    """
+    return RayvitTrainer(cfg, scaling_config=scaling_config, run_config=run_config, datasets=datasets)
+
+
+def build_trainer(cfg: Config | dict, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
+                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
+                  group: Optional[list[Config]] = None, rounds: int = 1) -> RayvitTrainer:
+    """:func:`make_trainer` with rayvit's own options: ``progress`` is called by every worker after every
+    step (:mod:`rayvit.launch.progress`); ``measure_links``: options of the collective microbenchmark the
+    workers run after training (``{}`` for the defaults), returned in ``RunResult.links``; ``group``:
+    configs to measure on these workers in ``rounds`` interleaved rounds instead (:func:`fit_group`)."""
+    return RayvitTrainer(cfg, datasets=datasets, run_config=run_config, progress=progress,
+                         measure_links=measure_links, group=group, rounds=rounds)
+
+
+@process_state.keeps_process_state
+def fit(cfg: Config | dict | str, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
         on_progress: Optional[Callable[[dict], None]] = None, measure_links: Optional[dict] = None) -> RunResult:
-    """Run ``cfg`` on Ray Train and return rank 0's summary. Starts or attaches to Ray as needed.
+    """Run ``cfg`` on Ray Train and return its summary, with 95% intervals over blocks of timed steps.
+    Uses the caller's Ray, else starts a local instance for the call.
 
     ``on_progress`` receives rank 0's figures (step, steps, loss, images/s per chip) about once a second.
     ``measure_links``: see :func:`build_trainer`.
     """
+    cfg = as_config(cfg)
     value = _run([cfg], f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers", datasets=datasets,
                  run_config=run_config, on_progress=on_progress, measure_links=measure_links)
-    return RunResult.from_dict(value)
+    return RunResult.of_rounds([RunResult.from_dict(value)])
 
 
 @dataclass
@@ -229,7 +365,8 @@ class GroupResult:
     links: Optional[dict[str, Any]] = None
 
 
-def fit_group(cfgs: list[Config], rounds: int, *, datasets: Optional[dict] = None,
+@process_state.keeps_process_state
+def fit_group(cfgs: list[Config | dict], rounds: int, *, datasets: Optional[dict] = None,
               on_progress: Optional[Callable[[dict], None]] = None,
               measure_links: Optional[dict] = None) -> GroupResult:
     """Measure ``cfgs`` (the same worker count and resources) on one Ray Train worker group.
@@ -243,6 +380,7 @@ def fit_group(cfgs: list[Config], rounds: int, *, datasets: Optional[dict] = Non
     """
     if not cfgs:
         raise ValueError("fit_group needs at least one config")
+    cfgs = [as_config(c) for c in cfgs]
     sizes = {(c.parallel.num_workers, json.dumps(worker_bundle(c), sort_keys=True), c.parallel.use_gpu) for c in cfgs}
     if len(sizes) > 1:
         raise ValueError(f"one worker group serves configs of one worker count and resources; got {sorted(sizes)}")
@@ -262,12 +400,9 @@ def fit_group(cfgs: list[Config], rounds: int, *, datasets: Optional[dict] = Non
 def _run(cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
          run_config: Optional[RunConfig] = None, on_progress: Optional[Callable[[dict], None]] = None,
          measure_links: Optional[dict] = None, group: Optional[list[Config]] = None, rounds: int = 1) -> dict:
-    """Check, build and fit one trainer for ``cfgs`` (the first sets the workers); rank 0's return value,
-    or ``TrainingError``."""
-    ensure_ray()
-    check_cluster_fits(cfgs)
-    # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
-    check_storage(cfgs, storage_given=run_config is not None and run_config.storage_path is not None)
+    """Build and fit one trainer for ``cfgs`` (the first sets the workers); rank 0's return value, or
+    ``TrainingError``."""
+    ensure_ray()                   # before the progress channel, an actor
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
     trainer = build_trainer(cfgs[0], datasets=datasets, run_config=run_config,
                             progress=channel.poster() if on_progress else None, measure_links=measure_links,
@@ -275,6 +410,8 @@ def _run(cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
     try:
         with channel:
             result = trainer.fit()
+    except (ClusterTooSmall, StorageError, ConfigError):
+        raise
     except Exception as e:  # Ray raises its own wrappers; keep the cause readable
         raise TrainingError(f"{what} failed: {_root_cause(e)}") from e
     if result.error is not None:

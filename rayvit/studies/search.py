@@ -35,11 +35,11 @@ from typing import Any, Callable, Optional
 
 from ray import tune
 
+from rayvit import process_state
 from rayvit.config import Config, Study
 from rayvit.launch import compat
 from rayvit.record import tracking
 from rayvit.record.tables import fmt
-from rayvit.results import RunResult
 from rayvit.studies import screen, trials
 from rayvit.studies.judge import BaselineFailed, SearchInterrupted, Verdict, best_outcome, judge, versus_baseline
 from rayvit.studies.plan import SearchPlan, plan_search, setting_label
@@ -124,6 +124,7 @@ def concurrency(cfgs: list[Config], requested: int) -> int:
     return max(1, min(fits) if fits else 1)
 
 
+@process_state.keeps_process_state
 def run_search(study: Study, *, experiment: Optional[str] = None, output: Optional[str | Path] = None,
                address: Optional[str] = None, out: Callable[[str], None] = print,
                ray_log: Optional[str] = None) -> SearchReport:
@@ -169,7 +170,7 @@ def run_search(study: Study, *, experiment: Optional[str] = None, output: Option
     with _Signals(live) as signals:
         try:
             screened = _screen(plan, out) if screening else None
-            baseline = _baseline(run, plan, capacity.waiting(_with_intervals(fit), out), out)
+            baseline = _baseline(run, plan, capacity.waiting(fit, out), out)
             live["baseline"] = baseline
             reused = _reused(run, plan, baseline, out)
             # Trials start on whatever is up: hold the cluster at the largest trial's size while they run.
@@ -202,13 +203,6 @@ def _adopt_parent(run: StudyRun) -> None:
     if found:
         t.parent_id, t.resumed = found[0].info.run_id, True
         run.done = t.completed()
-
-
-def _with_intervals(fit):
-    """``fit`` whose result carries 95% intervals over blocks of its timed steps (one round)."""
-    def fit_with_intervals(cfg, **kwargs):
-        return RunResult.of_rounds([fit(cfg, **kwargs)])
-    return fit_with_intervals
 
 
 class _Signals:

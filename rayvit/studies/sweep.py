@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from rayvit import stats
+from rayvit import process_state, stats
 from rayvit.config import BASELINE, Study
 from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, number, write_parquet
@@ -35,6 +35,7 @@ def default_sweep_name(study: Study) -> str:
     return f"{study.sweep.mode}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+@process_state.keeps_process_state
 def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Optional[str] = None,
               out: Callable[[str], None] = print, ray_log: Optional[str] = None) -> Report:
     """Run (or resume) the sweep ``study`` describes; one child run per point under one parent run.

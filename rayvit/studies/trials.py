@@ -71,7 +71,6 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search: dic
     go there labelled with the trial.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     from rayvit.launch.storage import storage_path
     from rayvit.launch.trainer import TrainingError, fit
@@ -79,18 +78,23 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search: dic
     overrides = {k: v for k, v in config.items() if k != TRIAL_KEY}
     label = config.get(TRIAL_KEY) or trial_label(tune.get_context().get_trial_id())
     cfg, s = from_dict(base, overrides), SearchConfig(**search)
+    # Tune checks that every result carries the searcher's and the scheduler's metrics: the workers'
+    # reports carry loss and the throughput objectives; an objective that exists only once the run is
+    # judged (time_to_accuracy) is NaN until then.
+    pending = {s.objective: math.nan, "loss": math.nan}
     run_config = RunConfig(
         name=f"{search_name}-{tune.get_context().get_trial_id()}", storage_path=storage_path(cfg),
         failure_config=FailureConfig(max_failures=cfg.train.max_failures, controller_failure_limit=0),
-        checkpoint_config=CheckpointConfig(num_to_keep=1), callbacks=[TuneReportCallback()])
+        checkpoint_config=CheckpointConfig(num_to_keep=1), callbacks=[_reports_with(pending)])
 
     def forward(item: dict) -> None:
         board.post.remote({**item, "trial": label})
 
     try:
-        result = RunResult.of_rounds([fit(cfg, run_config=run_config, on_progress=forward if board else None)])
+        result = fit(cfg, run_config=run_config, on_progress=forward if board else None)
     except TrainingError as e:
-        tune.report({STATUS_KEY: "diverged" if is_divergence(e) else "failed", ERROR_KEY: str(e)[-4000:]})
+        tune.report({**pending, STATUS_KEY: "diverged" if is_divergence(e) else "failed",
+                     ERROR_KEY: str(e)[-4000:]})
         return
     verdict = judge("done", result, baseline_accuracy, s)
     report: dict[str, Any] = {k: float(v) for k, v in result.metrics.items()
@@ -105,6 +109,18 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search: dic
     if objective is not None:
         report[s.objective] = objective
     tune.report(report)
+
+
+def _reports_with(defaults: dict[str, Any]):
+    """Ray Tune's ``TuneReportCallback``, each forwarded worker report completed with ``defaults`` for the
+    keys it lacks."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class ReportsWithDefaults(TuneReportCallback):
+        def after_report(self, run_context, metrics, checkpoint):
+            super().after_report(run_context, [{**defaults, **metrics[0]}, *metrics[1:]], checkpoint)
+
+    return ReportsWithDefaults()
 
 
 def trial_label(trial_id: Optional[str]) -> str:
@@ -207,7 +223,7 @@ class ConstrainedOptunaSearch(OptunaSearch):
     """
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
-        # Workers' intermediate reports carry no objective (only loss); Optuna prunes nothing here.
+        # Workers' intermediate reports carry running figures, not a judged outcome: Optuna prunes nothing.
         return
 
     def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
@@ -397,11 +413,8 @@ def tune_environment():
       "Configuration for experiment" box and a TensorBoard hint even at ``verbose=0`` (``tune.run`` calls
       ``experiment_started`` whatever the verbosity); the legacy engine, chosen by Ray's documented
       ``RAY_AIR_NEW_OUTPUT=0``, honours ``verbose=0``.
-    - ``TUNE_DISABLE_STRICT_METRIC_CHECKING``: the workers' intermediate reports carry loss, not the
-      objective (it exists only once the run is measured); Tune would otherwise reject them. Read at
-      each result, in this process.
     """
-    wanted = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_STRICT_METRIC_CHECKING": "1"}
+    wanted = {"RAY_AIR_NEW_OUTPUT": "0"}
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:

@@ -11,6 +11,7 @@ import gc
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rayvit.config import Config
+from rayvit import process_state
+from rayvit.config import Config, as_config
 from rayvit.data import build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
@@ -57,14 +59,14 @@ class Session:
                  dataset_shards: Optional[dict] = None) -> None:
         self.cfg = cfg
         self.device = device or default_device(cfg)
+        # What this session changes in its process and close() puts back: the thread count, and the
+        # excepthook torch.distributed wraps when a one-rank process group is made here.
+        self._threads_before, self._excepthook_before = torch.get_num_threads(), sys.excepthook
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash. (Ray sets
-            # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's.)
+            # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's. The
+            # inter-op pool, settable once per process, is the Ray worker's business: rayvit.launch.)
             torch.set_num_threads(cfg.parallel.cpus_per_worker)
-            try:
-                torch.set_num_interop_threads(cfg.parallel.cpus_per_worker)
-            except RuntimeError:
-                pass    # settable once per process, before any inter-op work: an earlier session did
         # Each session measures its own peak, also when several run one after another in this process.
         hardware.reset_peak_memory(self.device)
         self.owns_process_group = ensure_process_group(self.device)
@@ -198,6 +200,24 @@ class Session:
         result = {"step": self.step, "val_accuracy": totals[0].item() / count, "val_loss": totals[2].item() / count}
         self.evals.append(result)
         return result
+
+    def running_figures(self) -> dict[str, Any]:
+        """This rank's figures so far, for progress reports: step, loss, lr, the mean loss of the last
+        ``train.report_every`` steps, and the throughput figures (images/s, TFLOPS, MFU per chip) over the
+        timed steps so far (``timed_steps`` of them; over the warm-up steps while none is timed yet)."""
+        t, last = self.cfg.train, self.history[-1]
+        recent = self.history[-t.report_every:]
+        times = self.step_times or self.warmup_step_times
+        per_chip = metrics.images_per_sec(t.batch_size, len(times), sum(times))
+        rate = self.rate_figures(per_chip)
+        figures = {"step": self.step, "loss": last["loss"], "lr": last["lr"], "restarts": self.restarts,
+                   "loss_mean": sum(h["loss"] for h in recent) / len(recent),
+                   "images_per_sec_per_chip": per_chip, "images_per_sec": per_chip * self.world_size,
+                   "tflops_per_chip": rate["tflops_per_chip"], "mfu": rate["mfu"],
+                   "timed_steps": len(self.step_times)}
+        if self.evals:
+            figures["val_accuracy"] = self.evals[-1]["val_accuracy"]
+        return figures
 
     # ---------------------------------------------------------------------------------------------
     def model_state_bytes(self) -> int:
@@ -335,20 +355,32 @@ class Session:
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
+            sys.excepthook = self._excepthook_before
+        torch.set_num_threads(self._threads_before)
 
 
-# A hook receives (metrics, session) every ``train.report_every`` steps and at the end; the Ray layer uses
-# it to report and checkpoint. It runs between steps, never inside a timed step.
+# A hook receives (metrics, session) every ``train.report_every`` steps, and once more at the end with the
+# run's figures (``metrics["final"]`` true, after the final evaluation); the Ray layer uses it to report and
+# checkpoint. It runs between steps, never inside a timed step.
 ReportHook = Callable[[dict, Session], None]
 
 
-def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards: Optional[dict] = None,
+def train(cfg: Config | dict, *, device: Optional[torch.device] = None, dataset_shards: Optional[dict] = None,
           report: Optional[ReportHook] = None, resume_from: Optional[str] = None,
           on_step: Optional[Callable[[Session], None]] = None) -> RunResult:
     """Run ``cfg.train.steps`` optimizer steps on this worker and return the run's summary.
 
-    ``on_step(session)`` runs after every step, outside its timed window (live progress).
+    ``cfg``: a :class:`~rayvit.config.Config` or its dict form (validated). ``on_step(session)`` runs after
+    every step, outside its timed window (live progress). In the caller's process, the torch thread count
+    and the process group (with its ``sys.excepthook``) that a one-rank run sets up are put back afterwards.
     """
+    with process_state.kept():
+        return _train(as_config(cfg), device, dataset_shards, report, resume_from, on_step)
+
+
+def _train(cfg: Config, device: Optional[torch.device], dataset_shards: Optional[dict],
+           report: Optional[ReportHook], resume_from: Optional[str],
+           on_step: Optional[Callable[[Session], None]]) -> RunResult:
     start = time.perf_counter()
     session = Session(cfg, device, dataset_shards=dataset_shards)
     try:
@@ -363,17 +395,22 @@ def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards:
                 if t.fail_mode == "exit":
                     os._exit(70)                   # no cleanup, no traceback: as a lost worker
                 raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
-            loss = session.train_step()
+            session.train_step()
             if on_step:
                 on_step(session)
-            last = session.step == t.steps
-            if t.eval_every and (session.step % t.eval_every == 0) and not last:
+            if session.step == t.steps:
+                break                              # the last step reports after the final evaluation
+            if t.eval_every and session.step % t.eval_every == 0:
                 session.evaluate()
-            if report and (session.step % t.report_every == 0 or last
+            if report and (session.step % t.report_every == 0
                            or (t.checkpoint_every and session.step % t.checkpoint_every == 0)):
-                report({"step": session.step, "loss": loss, "lr": session.history[-1]["lr"]}, session)
+                report(session.running_figures(), session)
                 session.align_ranks()
         session.evaluate()
-        return session.summary(time.perf_counter() - start)
+        result = session.summary(time.perf_counter() - start)
+        if report:
+            report({**session.running_figures(), **RunResult.of_rounds([result]).report_metrics(), "final": True},
+                   session)
+        return result
     finally:
         session.close()

@@ -199,21 +199,24 @@ def test_a_run_that_raises_in_its_round_leaves_the_others_measured():
 
 def test_a_local_instance_starts_no_preemption_watcher_and_a_users_choice_stays(monkeypatch):
     """Ray Train's preemption watcher starts after a group's workers, while its first steps are timed: off
-    on a local instance rayvit started (nothing there can be drained), Ray's default elsewhere."""
+    on a local instance rayvit started (nothing there can be drained), Ray's default elsewhere. The settings
+    are returned for the trainer's fit() to apply for its own duration, never written here."""
     from rayvit.launch import trainer
 
     cfg = config()
     for name in (trainer.PREEMPTION_WATCHER_ENV, trainer.HEALTH_CHECK_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):
         monkeypatch.delenv(name, raising=False)          # restored after the test
-    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", None)
+    before = dict(os.environ)
     monkeypatch.setattr(trainer, "started_local", lambda: True)
-    trainer.train_environment(cfg)
-    assert os.environ[trainer.PREEMPTION_WATCHER_ENV] == "0"
+    env = trainer.train_environment(cfg)
+    assert env[trainer.PREEMPTION_WATCHER_ENV] == "0"
+    assert env[trainer.HEALTH_CHECK_ENV] == "0.5" and trainer.train_environment(cfg, reports=False)[trainer.HEALTH_CHECK_ENV] == "2"
     monkeypatch.setattr(trainer, "started_local", lambda: False)
-    trainer.train_environment(cfg)
-    assert trainer.PREEMPTION_WATCHER_ENV not in os.environ
-    monkeypatch.setattr(trainer, "_USER_PREEMPTION_WATCHER", "1")
+    env = trainer.train_environment(cfg)
+    assert env[trainer.PREEMPTION_WATCHER_ENV] is None          # unset: Ray's default
+    assert dict(os.environ) == before
     monkeypatch.setenv(trainer.PREEMPTION_WATCHER_ENV, "1")
+    monkeypatch.setenv(trainer.HEALTH_CHECK_ENV, "3")
     monkeypatch.setattr(trainer, "started_local", lambda: True)
-    trainer.train_environment(cfg)
-    assert os.environ[trainer.PREEMPTION_WATCHER_ENV] == "1"
+    env = trainer.train_environment(cfg)
+    assert trainer.PREEMPTION_WATCHER_ENV not in env and trainer.HEALTH_CHECK_ENV not in env   # the user's stay
