@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from rayvit.worker.bench import run_group
+from rayvit.worker.bench import bench_config, compare_configs
 from rayvit.config import load_config
 from rayvit.trainer import ensure_ray, fit
 
@@ -31,11 +31,11 @@ def main() -> None:
     ratios = []
     for i in range(args.repeats):
         steps = cfg.train.steps - cfg.train.warmup_steps
-        bench = run_group(cfg, None, rounds=1, steps_per_round=steps, warmup=cfg.train.warmup_steps)[0]
+        bench = compare_configs([bench_config(cfg, steps, cfg.train.warmup_steps)], rounds=1)[0]["images_per_sec_per_chip"]
         ray_run = fit(cfg)
-        ratio = ray_run["images_per_sec_per_chip"] / bench.images_per_sec
+        ratio = ray_run["images_per_sec_per_chip"] / bench
         ratios.append(ratio)
-        print(f"pair {i + 1}: bench {bench.images_per_sec:.1f} img/s, Ray 1 worker "
+        print(f"pair {i + 1}: bench {bench:.1f} img/s, Ray 1 worker "
               f"{ray_run['images_per_sec_per_chip']:.1f} img/s per chip, ratio {ratio:.3f}")
     m = cfg.model
     print(f"{m.name} {m.image_size}px batch {cfg.train.batch_size}, {cfg.parallel.cpus_per_worker} CPU(s), "

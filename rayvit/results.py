@@ -86,7 +86,8 @@ class RunResult:
     # The slowest rank's time of each timed step of this run (one round).
     step_times: list[float] = field(default_factory=list)
     # A point measured in several rounds (:meth:`of_rounds`): each round's ``round`` (0-based), ``slot``
-    # (its position in the round's order), ``step_times``, ``images_per_sec_per_chip``, ``final_loss``.
+    # (its position in the round's order), ``step_times``, ``images_per_sec_per_chip``, ``final_loss``,
+    # ``wall_time_s``, ``compile_time_s`` (None when not compiled).
     rounds: list[dict[str, Any]] = field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
@@ -138,7 +139,8 @@ class RunResult:
         last = results[-1]
         rounds = [{"round": r, "slot": slot, "step_times": list(res.step_times),
                    "images_per_sec_per_chip": res.metrics.get("images_per_sec_per_chip"),
-                   "final_loss": res.metrics.get("final_loss"), "wall_time_s": res.metrics.get("wall_time_s")}
+                   "final_loss": res.metrics.get("final_loss"), "wall_time_s": res.metrics.get("wall_time_s"),
+                   "compile_time_s": res.metrics.get("compile_time_s")}
                   for res, (r, slot) in zip(results, places)]
         metrics = dict(last.metrics)
         for key in ("model_state_bytes_per_rank", "peak_memory_bytes_per_rank", "peak_memory_reserved_bytes_per_rank"):
@@ -165,3 +167,35 @@ class RunResult:
                    per_rank=per_rank, links=last.links, step_times=list(last.step_times),
                    rounds=rounds)
 
+
+@dataclass
+class Comparison:
+    """Config ``b`` against config ``a``: both runs' results, and ``b``'s ``key`` over ``a``'s with its
+    95% interval (paired by round when they ran in the same rounds: :func:`rayvit.stats.compare`)."""
+
+    a: RunResult
+    b: RunResult
+    key: str = "images_per_sec_per_chip"
+
+    @property
+    def ratio(self) -> Any:
+        """The :class:`rayvit.stats.Estimate` of ``b[key] / a[key]`` (median, lo, hi, rounds), or None."""
+        from rayvit import stats
+
+        return stats.compare(self.b, self.a, self.key)
+
+    @property
+    def verdict(self) -> str:
+        """``higher``, ``lower`` (``b``'s figure against ``a``'s, beyond noise) or ``within noise``."""
+        ratio = self.ratio
+        if ratio is None:
+            return "not measured"
+        return {"above": "higher", "below": "lower", "within noise": "within noise"}[ratio.verdict(1.0)]
+
+    def text(self, a: str = "A", b: str = "B") -> str:
+        """``B: 1.23x (1.10-1.31) A's images_per_sec_per_chip, higher beyond noise (3 rounds)``."""
+        ratio = self.ratio
+        if ratio is None:
+            return f"{b}: no timed steps to compare with {a}"
+        how = "within noise" if self.verdict == "within noise" else f"{self.verdict} beyond noise"
+        return f"{b}: {ratio.text('.3f', 'x')} {a}'s {self.key}, {how} ({ratio.rounds} round(s))"

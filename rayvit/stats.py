@@ -129,9 +129,14 @@ def paired_ratio(a: Sequence[Sequence[Block]], b: Sequence[Sequence[Block]],
                  resamples: int = RESAMPLES, seed: int = SEED) -> Optional[Estimate]:
     """Median over rounds of ``value_a(round of a) / value_b(the same round of b)``, with its interval.
 
-    Rounds are paired by position (round i of ``a`` ran beside round i of ``b``); a round either side
-    lacks is left out.
+    ``a`` and ``b`` are rounds of blocks (:func:`rounds_blocks`); rounds are paired by position (round i
+    of ``a`` ran beside round i of ``b``); a round either side lacks is left out. Two runs' results are
+    compared with :func:`compare`.
     """
+    for side in (a, b):
+        if hasattr(side, "metrics") and hasattr(side, "rounds"):
+            raise TypeError("paired_ratio takes rounds of blocks of step times; to compare two runs' "
+                            "results use rayvit.stats.compare(a, b, key)")
     pairs = [(ra, rb) for ra, rb in zip(a, b) if ra and rb]
     if not pairs:
         return None
@@ -210,3 +215,29 @@ def intervals(rounds: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any],
             out.update(est.figures(key))
             out["rounds"] = float(est.rounds)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Two runs' results
+
+
+def compare(a: Any, b: Any, key: str = "images_per_sec_per_chip", *,
+            paired: Optional[bool] = None) -> Optional[Estimate]:
+    """``a``'s ``key`` over ``b``'s, with its 95% interval, from two runs' results (``RunResult``: of a
+    :func:`~rayvit.trainer.fit_group`, a :func:`~rayvit.trainer.fit` or a sweep's points).
+
+    ``paired`` (default: whether both were measured in the same rounds, as a group's results are): the
+    ratio is taken within each round and the rounds are resampled together (:func:`paired_ratio`); else
+    each side is resampled alone (:func:`unpaired_ratio`). ``key`` is one of :data:`INTERVAL_KEYS`. None
+    when either side has no timed steps.
+    """
+    if key not in INTERVAL_KEYS:
+        raise ValueError(f"key={key!r} has no interval; choose one of {', '.join(INTERVAL_KEYS)}")
+    if paired is None:
+        paired = bool(a.rounds) and [r.get("round") for r in a.rounds] == [r.get("round") for r in b.rounds]
+    blocks = [rounds_blocks(r.rounds or [{"step_times": r.step_times}]) for r in (a, b)]
+    try:
+        fa, fb = functions_of(a.metrics, a.conditions)[key], functions_of(b.metrics, b.conditions)[key]
+    except KeyError:
+        raise ValueError(f"{key} is not known for both runs (mfu needs a peak to divide by)") from None
+    return (paired_ratio if paired else unpaired_ratio)(*blocks, fa, fb)

@@ -21,10 +21,11 @@ Each leaves the caller's process as it found it (:mod:`rayvit.process_state`).
 from rayvit.launch.capacity import ClusterTooSmall, ScaleUpTimeout
 from rayvit.launch.connect import ConnectError, ensure_ray
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
-from rayvit.launch.trainer import (GroupResult, RayvitTrainer, TrainingError, build_trainer, check_cluster_fits, fit,
-                                   fit_group, loop_config, make_trainer, scaling_config, train_loop_per_worker)
+from rayvit.launch.trainer import (GroupResult, RayvitTrainer, TrainingError, build_trainer, check_cluster_fits, compare,
+                                   fit, fit_group, loop_config, make_trainer, scaling_config, train_loop_per_worker)
+from rayvit.results import Comparison, RunResult
 
-__all__ = ["ClusterTooSmall", "ConnectError", "GroupResult", "RayvitTrainer", "ScaleUpTimeout", "StorageError",
-           "TrainingError", "build_trainer", "check_cluster_fits", "check_storage", "default_storage_path",
+__all__ = ["ClusterTooSmall", "Comparison", "ConnectError", "GroupResult", "RayvitTrainer", "RunResult", "ScaleUpTimeout", "StorageError",
+           "TrainingError", "build_trainer", "check_cluster_fits", "check_storage", "compare", "default_storage_path",
            "ensure_ray", "fit", "fit_group", "loop_config", "make_trainer", "scaling_config", "storage_path",
            "train_loop_per_worker"]

@@ -39,7 +39,7 @@ from rayvit.launch.connect import ensure_ray, started_local
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import worker_bundle
 from rayvit.launch.storage import StorageError, check_storage, storage_path
-from rayvit.results import RunResult
+from rayvit.results import Comparison, RunResult
 from rayvit.worker import Session, train
 
 logger = logging.getLogger(__name__)
@@ -395,6 +395,34 @@ def fit_group(cfgs: list[Config | dict], rounds: int, *, datasets: Optional[dict
                        if done and entry["error"] is None else None)
         errors.append(entry["error"])
     return GroupResult(results, errors, value.get("links"))
+
+
+@process_state.keeps_process_state
+def compare(a: Config | dict | str, b: Config | dict | str, *, rounds: int = 3,
+            key: str = "images_per_sec_per_chip", on_ray: bool = False,
+            datasets: Optional[dict] = None) -> Comparison:
+    """An A/B of two configs: each trained once per round in ``rounds`` interleaved rounds (A B, B A, ...),
+    and ``b``'s ``key`` over ``a``'s as a paired ratio with its 95% interval and verdict
+    (``comparison.ratio``, ``comparison.verdict``, ``comparison.text()``).
+
+    ``on_ray=False``: in this process, on one device (``rayvit bench --compare`` is its command line).
+    ``on_ray=True``: on one Ray Train worker group of the configs' worker count (:func:`fit_group`).
+    Raises ``TrainingError`` when either config fails.
+    """
+    a, b = as_config(a), as_config(b)
+    if not on_ray:
+        from rayvit.worker.bench import CompareFailed, compare_configs
+
+        try:
+            first, second = compare_configs([a, b], rounds)
+        except CompareFailed as e:
+            raise TrainingError(str(e)) from e
+        return Comparison(first, second, key)
+    group = fit_group([a, b], rounds, datasets=datasets)
+    for cfg, error in zip((a, b), group.errors):
+        if error is not None:
+            raise TrainingError(f"{cfg.parallel.strategy} failed in the comparison: {error.strip().splitlines()[-1]}")
+    return Comparison(group.results[0], group.results[1], key)
 
 
 def _run(cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,

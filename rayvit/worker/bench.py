@@ -3,7 +3,8 @@
 Synthetic data generated once on the device, warm-up steps excluded, every step timed with device
 synchronisation. ``--compare key=v1,v2`` times one training session per value, in alternating rounds in
 this one process, so drift of a shared, noisy machine hits every variant alike; each variant is reported
-as a ratio to the first. Only one variant exists at a time: each round builds it, warms it up, times it
+as a ratio to the first, taken within each round (paired), with its 95% interval and whether it is beyond
+noise (:func:`compare` is the same as a library call). Only one variant exists at a time: each round builds it, warms it up, times it
 and closes it before the next is built, so each variant's peak memory is its own (a session restarts the
 peak when it starts) and no variant's model shares the device with another's. Several ``--compare``
 flags give several groups.
@@ -17,17 +18,17 @@ caches, and are in the JSON).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import statistics
 import sys
-from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from rayvit.config import Config, ConfigError, load_config
-from rayvit.worker import hardware, metrics
-from rayvit.worker.loop import Session, compile_overhead_s
+from rayvit.config import Config, ConfigError, as_config, load_config
+from rayvit.process_state import keeps_process_state
+from rayvit.results import Comparison, RunResult
+from rayvit.stats import Estimate
+from rayvit.worker.rounds import measure_rounds
 
 EXAMPLES = """examples:
   rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8
@@ -38,24 +39,6 @@ EXAMPLES = """examples:
 """
 
 
-@dataclass
-class Variant:
-    label: str
-    cfg: Config
-    times: list[float] = field(default_factory=list)
-    # Read from each round's session before it closes (closing releases the model).
-    model_state_bytes: int = 0
-    peak_memory_bytes: int = 0          # the largest of its rounds' peaks
-    rate: dict = field(default_factory=dict)
-    # model.compile: per round, the warm-up steps' time beyond the round's median timed step.
-    compile_times: list[float] = field(default_factory=list)
-
-    @property
-    def images_per_sec(self) -> float:
-        # The median step: robust to the odd step a shared machine slows down.
-        return metrics.images_per_sec(self.cfg.train.batch_size, 1, statistics.median(self.times))
-
-
 def parse_compare(spec: str) -> tuple[str, list[str]]:
     key, sep, values = spec.partition("=")
     options = [v.strip() for v in values.split(",") if v.strip()]
@@ -64,77 +47,108 @@ def parse_compare(spec: str) -> tuple[str, list[str]]:
     return key.strip(), options
 
 
-def run_group(cfg: Config, compare: tuple[str, list[str]] | None, rounds: int, steps_per_round: int,
-              warmup: int) -> list[Variant]:
-    """Time every variant in alternating rounds, one variant on the device at a time."""
-    if compare is None:
-        variants = [Variant("as configured", cfg)]
+class CompareFailed(RuntimeError):
+    """A config of a comparison failed in one of its rounds; the message holds its error."""
+
+
+@keeps_process_state
+def compare_configs(cfgs: list[Config | dict], rounds: int, *, on_step=None, on_round=None) -> list[RunResult]:
+    """Train every config once per round, interleaved and rotated (A B, B A, ...), in this process on one
+    device; each config's result over its rounds (medians with 95% intervals; ``rounds`` entries keep each
+    round's figures). Only one config's model exists at a time, so each has its own peak memory.
+    ``on_step(session, index, round)``, ``on_round(index, round, slot, result dict, error)``: see
+    :func:`rayvit.worker.rounds.measure_rounds`. Raises :class:`CompareFailed` when a config fails."""
+    cfgs = [as_config(c) for c in cfgs]
+    outcomes = measure_rounds(cfgs, rounds, on_step=on_step, on_round=on_round)
+    for cfg, outcome in zip(cfgs, outcomes):
+        if outcome["error"] is not None:
+            raise CompareFailed(f"{cfg.flatten()} failed:\n{outcome['error']}")
+    return [RunResult.of_rounds([RunResult.from_dict(r) for r in o["rounds"]], [tuple(p) for p in o["places"]])
+            for o in outcomes]
+
+
+def compare(a: Config | dict, b: Config | dict, *, rounds: int = 5,
+            key: str = "images_per_sec_per_chip") -> Comparison:
+    """An A/B of two configs in this process: trained in ``rounds`` interleaved rounds, ``b``'s ``key`` over
+    ``a``'s as a paired ratio with its interval and verdict. ``rayvit bench --compare`` is its command line;
+    :func:`rayvit.trainer.compare` runs the same on a Ray Train worker group."""
+    first, second = compare_configs([a, b], rounds)
+    return Comparison(first, second, key)
+
+
+def bench_config(cfg: Config, steps: int, warmup: int) -> Config:
+    """``cfg`` as the benchmark runs it: synthetic data made once on the device, ``warmup`` untimed steps,
+    then ``steps`` timed ones, no evaluation."""
+    return cfg.replace({"data.name": "synthetic", "train.steps": warmup + steps, "train.warmup_steps": warmup,
+                        "train.eval_every": 0})
+
+
+def run_group(cfg: Config, compare_spec: tuple[str, list[str]] | None, rounds: int) -> list[tuple[str, RunResult]]:
+    """Time every variant in alternating rounds, one variant on the device at a time: (label, result)."""
+    if compare_spec is None:
+        labels, cfgs = ["as configured"], [cfg]
     else:
-        key, values = compare
-        variants = [Variant(f"{key}={v}", cfg.replace([f"{key}={v}"])) for v in values]
-    for r in range(rounds):
-        for v in variants:
-            measure_round(v, steps_per_round, warmup, announce=r == 0)
-        print(f"  round {r + 1}/{rounds}: " + ", ".join(
-            f"{v.label} {v.images_per_sec:.1f} img/s" for v in variants), file=sys.stderr)
-    return variants
+        key, values = compare_spec
+        labels, cfgs = [f"{key}={v}" for v in values], [cfg.replace([f"{key}={v}"]) for v in values]
+    rates: dict[int, dict[int, float]] = {}          # round -> index -> images/s
 
-
-def measure_round(v: Variant, steps: int, warmup: int, announce: bool = False) -> None:
-    """One round of ``v``: a fresh session (its own memory peak), ``warmup`` untimed steps, ``steps`` timed
-    ones; the session is closed, and its memory released, before the next variant is built."""
-    session = Session(v.cfg)
-    try:
-        if announce:
-            print(f"  {v.label}: {sum(p.numel() for p in session.model.parameters()):,} params (local), "
+    def announce(session, index: int, r: int) -> None:
+        if r == 0 and session.step == 1:
+            print(f"  {labels[index]}: {sum(p.numel() for p in session.model.parameters()):,} params (local), "
                   f"{session.complexity.train_flops_per_image / 1e9:.2f} GFLOP/image to train", file=sys.stderr)
-        for _ in range(warmup):
-            session.clear_grads()
-            session.train_step()
-        for _ in range(steps):
-            session.clear_grads()
-            session.train_step()
-            v.times.append(session.history[-1]["step_time_s"])
-        if v.cfg.model.compile:
-            times = [h["step_time_s"] for h in session.history]
-            v.compile_times.append(compile_overhead_s(times[:warmup], times[warmup:]))
-        v.model_state_bytes = session.model_state_bytes()
-        v.peak_memory_bytes = max(v.peak_memory_bytes, hardware.peak_memory_bytes(session.device))
-        v.rate = session.rate_figures(v.images_per_sec)
-    finally:
-        session.close()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+
+    def round_done(index: int, r: int, slot: int, result: Optional[dict], error: Optional[str]) -> None:
+        rates.setdefault(r, {})[index] = result["metrics"]["images_per_sec_per_chip"] if result else float("nan")
+        if len(rates[r]) == len(cfgs):
+            print(f"  round {r + 1}/{rounds}: " + ", ".join(
+                f"{labels[i]} {rates[r][i]:.1f} img/s" for i in range(len(cfgs))), file=sys.stderr)
+
+    results = compare_configs(cfgs, rounds, on_step=announce, on_round=round_done)
+    return list(zip(labels, results))
 
 
-def report(variants: list[Variant]) -> list[dict]:
-    base = variants[0].images_per_sec
+def report(variants: list[tuple[str, RunResult]]) -> list[dict]:
+    """One row per variant; ``ratio`` (with ``ratio_lo``/``ratio_hi`` and ``verdict``) is its images/s
+    over the first variant's, paired round by round."""
+    first = variants[0][1]
     rows = []
-    for v in variants:
-        ips, rate = v.images_per_sec, v.rate
+    for label, result in variants:
+        m = result.metrics
+        comparison = Comparison(first, result)
+        # The first variant is the reference: exactly 1 (a ratio of its rounds with themselves resampled
+        # apart would show an interval that means nothing).
+        ratio = comparison.ratio if result is not first else Estimate(1.0, 1.0, 1.0, len(result.rounds))
+        compile_times = [r["compile_time_s"] for r in result.rounds if r.get("compile_time_s") is not None]
         rows.append({
-            "variant": v.label, "images_per_sec": ips, "ratio": ips / base,
-            **metrics.step_time_percentiles(v.times),
-            "tflops": rate["tflops_per_chip"], "mfu": rate["mfu"], "peak_source": rate["peak_source"],
-            "model_state_mb": v.model_state_bytes / 2 ** 20,
-            "peak_memory_mb": v.peak_memory_bytes / 2 ** 20,
+            "variant": label, "images_per_sec": m["images_per_sec_per_chip"],
+            "ratio": ratio.median if ratio else None, "ratio_lo": ratio.lo if ratio else None,
+            "ratio_hi": ratio.hi if ratio else None,
+            "verdict": comparison.verdict if result is not first else "reference",
+            "step_time_p50_s": m["step_time_p50_s"], "step_time_p90_s": m["step_time_p90_s"],
+            "tflops": m["tflops_per_chip"], "mfu": m["mfu"], "peak_source": result.conditions["peak_source"],
+            "model_state_mb": m["model_state_bytes_per_rank"] / 2 ** 20,
+            "peak_memory_mb": m["peak_memory_bytes_per_rank"] / 2 ** 20,
             # The first round's compile (cold), and every round's; None when not compiled.
-            "compile_s": v.compile_times[0] if v.compile_times else None,
-            "compile_s_by_round": list(v.compile_times),
+            "compile_s": compile_times[0] if compile_times else None,
+            "compile_s_by_round": compile_times,
+            "rounds": [r["images_per_sec_per_chip"] for r in result.rounds],
         })
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
-    header = (f"{'variant':<34} {'img/s':>9} {'ratio':>6} {'p50 s':>8} {'p90 s':>8} {'TFLOPS':>8} "
-              f"{'MFU':>6} {'state MB':>9} {'peak MB':>9} {'compile s':>9}")
+    header = (f"{'variant':<34} {'img/s':>9} {'ratio':>6} {'95% CI':>13} {'p50 s':>8} {'p90 s':>8} "
+              f"{'TFLOPS':>8} {'MFU':>6} {'state MB':>9} {'peak MB':>9} {'compile s':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r['variant']:<34} {r['images_per_sec']:>9.2f} {r['ratio']:>6.3f} "
+        ci = "-" if r["ratio_lo"] is None else f"{r['ratio_lo']:.3f}-{r['ratio_hi']:.3f}"
+        lines.append(f"{r['variant']:<34} {r['images_per_sec']:>9.2f} {r['ratio']:>6.3f} {ci:>13} "
                      f"{r['step_time_p50_s']:>8.4f} {r['step_time_p90_s']:>8.4f} {r['tflops']:>8.4f} "
                      f"{r['mfu']:>6.3f} {r['model_state_mb']:>9.1f} {r['peak_memory_mb']:>9.1f} "
                      f"{'-' if r['compile_s'] is None else format(r['compile_s'], '.1f'):>9}")
+    for r in rows[1:]:
+        what = "within noise of" if r["verdict"] == "within noise" else f"{r['verdict']}, beyond noise, than"
+        lines.append(f"paired over rounds: {r['variant']} images/s {what} {rows[0]['variant']}'s")
     for r in rows:
         if r["compile_s"] is not None:
             later = r["compile_s_by_round"][1:]
@@ -184,7 +198,11 @@ def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
           f"{args.warmup} warm-up", file=sys.stderr)
     results = []
     for group in groups:
-        variants = run_group(cfg, group, args.rounds, args.steps, args.warmup)
+        try:
+            variants = run_group(bench_config(cfg, args.steps, args.warmup), group, args.rounds)
+        except CompareFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         rows = report(variants)
         print(format_rows(rows))
         print()

@@ -1,22 +1,29 @@
-"""Checkpoint files of one run: the loop's progress (``meta.json``) and a replicated model's full state.
+"""Checkpoint files of one run: the loop's progress (``meta.json``) and a replicated model's full state, and
+:func:`load_checkpoint`, which reads any of them back into one plain model.
 
 What each strategy writes for its model and optimizer is the strategy's business
-(:meth:`rayvit.worker.strategies.Strategy.save`): one full copy from rank 0 for replicated strategies, a
-shard per rank for sharded ones (Ray merges the ranks' folders into one checkpoint). Rank 0 always writes
-``meta.json`` with the step counter, the loss history and the schedule, so a restarted run continues its
-step count and history without a gap.
+(:meth:`rayvit.worker.strategies.Strategy.save`): one full copy from rank 0 for replicated strategies
+(``state.pt``), a shard per rank for sharded ones (Ray merges the ranks' folders into one checkpoint).
+Rank 0 always writes ``meta.json`` with the step counter, the loss history, the schedule and the run's
+config, so a restarted run continues its step count and history without a gap.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
-from typing import Any
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
 META = "meta.json"
 FULL_STATE = "state.pt"
+# Where FSDP2 keeps its sharded state (torch.distributed.checkpoint's folder) inside a checkpoint.
+SHARDED_DIR = "sharded"
 
 
 def write_meta(directory: str, meta: dict[str, Any]) -> None:
@@ -37,3 +44,79 @@ def save_full_state(directory: str, state: dict[str, Any]) -> None:
 
 def load_full_state(directory: str, device: torch.device) -> dict[str, Any]:
     return torch.load(os.path.join(directory, FULL_STATE), map_location=device, weights_only=False)
+
+
+@dataclass
+class Checkpointed:
+    """What :func:`load_checkpoint` read: the model (fp32, eval mode), the optimizer state and progress."""
+
+    model: nn.Module
+    config: Any                          # the run's rayvit Config
+    step: int
+    # As the strategy saved it: a torch optimizer state_dict (replicated strategies: the whole; FSDP2:
+    # keyed by parameter name, as torch.distributed.checkpoint's get_state_dict gives it); FairScale FSDP:
+    # one flat-shard state_dict per rank, in rank order. None when the checkpoint holds none.
+    optimizer_state: Any = None
+    history: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+
+
+def load_checkpoint(path: Any, *, cfg: Any = None, device: str | torch.device = "cpu") -> Checkpointed:
+    """The model (and optimizer state) of a checkpoint rayvit wrote, whatever the strategy: a folder, or a
+    ``ray.train.Checkpoint`` (``result.checkpoint``). ``cfg``: the run's config, for checkpoints older than
+    the config in their ``meta.json``.
+
+    Replicated strategies' full copy is loaded as is (under ``precision.mode=mixed`` the fp32 master
+    weights replace the half ones); FSDP2's sharded folder is consolidated by torch.distributed.checkpoint;
+    FairScale FSDP's per-rank flat shards by FairScale's ``consolidate_shard_weights``.
+    """
+    if hasattr(path, "as_directory"):
+        with path.as_directory() as folder:
+            return load_checkpoint(folder, cfg=cfg, device=device)
+    from rayvit.config import ConfigError, as_config
+    from rayvit.models import build_model
+
+    directory = os.fspath(path)
+    if not os.path.isfile(os.path.join(directory, META)):
+        raise ConfigError(f"{directory} holds no rayvit model checkpoint (no {META}): a run writes its model "
+                          "when train.checkpoint_every > 0 (every N steps and at the end)")
+    meta = read_meta(directory)
+    if cfg is None and "config" not in meta:
+        raise ConfigError(f"{directory}/{META} was written before checkpoints recorded their config: pass "
+                          "cfg=, the run's config")
+    cfg = as_config(cfg if cfg is not None else meta["config"])
+    model = build_model(cfg.model)
+    model_state, optim_state = _read_states(directory)
+    model.load_state_dict(model_state)          # copies into the fp32 model, whatever dtype was saved
+    model.to(device).eval()
+    return Checkpointed(model=model, config=cfg, step=meta["step"], optimizer_state=optim_state,
+                        history=meta.get("history", []), evals=meta.get("evals", []))
+
+
+def _read_states(directory: str) -> tuple[dict[str, torch.Tensor], Any]:
+    """(full model state dict, optimizer state) of whichever layout ``directory`` holds."""
+    if os.path.isfile(os.path.join(directory, FULL_STATE)):
+        state = load_full_state(directory, torch.device("cpu"))
+        # ``mixed``: the optimizer stepped the fp32 masters of the half parameters (saved by name).
+        return {**state["model"], **(state.get("masters") or {})}, state.get("optim")
+    sharded = os.path.join(directory, SHARDED_DIR)
+    if os.path.isdir(sharded):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(sharded, os.path.join(tmp, "full.pt"))
+            state = torch.load(os.path.join(tmp, "full.pt"), map_location="cpu", weights_only=False)
+        return state["model"], state.get("optim")
+    ranks = sorted(glob.glob(os.path.join(directory, "rank*.pt")),
+                   key=lambda f: int(os.path.basename(f)[4:-3]))
+    if ranks:
+        from fairscale.nn import FullyShardedDataParallel
+
+        shards = [torch.load(f, map_location="cpu", weights_only=False) for f in ranks]
+        if any("metadata" not in s for s in shards):
+            raise ValueError(f"{directory}: FairScale FSDP shards without their metadata (written before "
+                             "checkpoints kept it) cannot be consolidated")
+        full = FullyShardedDataParallel.consolidate_shard_weights([s["model"] for s in shards],
+                                                                  [s["metadata"] for s in shards])
+        return full, [s["optim"] for s in shards]
+    raise ValueError(f"{directory} has {META} but no model state ({FULL_STATE}, {SHARDED_DIR}/ or rank*.pt)")

@@ -322,6 +322,7 @@ class Session:
             checkpoint.write_meta(directory, {
                 "step": self.step, "restarts": self.restarts, "history": self.history, "evals": self.evals,
                 "scheduler": self.scheduler.state_dict(), "strategy": self.cfg.parallel.strategy,
+                "config": self.cfg.to_dict(),
                 "loss_scale": self.precision.scaler.scale if self.precision.scaler else None})
 
     def load_checkpoint(self, directory: str) -> None:

@@ -53,6 +53,7 @@ def test_a_wheel_installed_elsewhere_runs_its_commands_from_an_empty_directory(t
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "rayvit/studies/ladder.yaml" in names
+    assert "rayvit/py.typed" in names                  # type checkers read rayvit's annotations
     with zipfile.ZipFile(wheel) as z:                 # the files themselves, not links to the checkout
         for config in CONFIGS.glob("*.yaml"):
             assert z.read(f"rayvit/configs/{config.name}") == config.read_bytes(), config.name
@@ -71,7 +72,9 @@ def test_a_wheel_installed_elsewhere_runs_its_commands_from_an_empty_directory(t
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for key, args in commands.items()}
     try:
-        where = subprocess.run([str(env / "bin" / "python"), "-c", "import rayvit; print(rayvit.__file__)"],
+        # The library resolves a shipped config's name as the commands do, from any directory.
+        where = subprocess.run([str(env / "bin" / "python"), "-c", "import rayvit; from rayvit.config import "
+                                "load_config; assert load_config('cpu_default').train.steps; print(rayvit.__file__)"],
                                cwd=empty, env=run_env, capture_output=True, text=True, check=True).stdout.strip()
         outputs = {}
         for key, proc in procs.items():

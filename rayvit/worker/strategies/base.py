@@ -220,7 +220,9 @@ class Strategy:
         if rank() == 0:
             state = {"model": self.unwrap(model).state_dict(), "optim": optim_state}
             if self.masters is not None:
-                state["masters"] = [m.detach() for m in self.masters.masters]
+                # By parameter name: checkpoint.load_checkpoint puts them in place of the half weights.
+                state["masters"] = {name: self.masters.master_of(p).detach()
+                                    for name, p in self.unwrap(model).named_parameters() if p.dtype != torch.float32}
             checkpoint.save_full_state(directory, state)
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -229,8 +231,9 @@ class Strategy:
         optimizer.load_state_dict(state["optim"])
         if self.masters is not None:
             with torch.no_grad():
-                for master, saved in zip(self.masters.masters, state["masters"]):
-                    master.copy_(saved)
+                for name, p in self.unwrap(model).named_parameters():
+                    if name in state["masters"]:
+                        self.masters.master_of(p).copy_(state["masters"][name])
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
         """The optimizer state rank 0 saves (a collective for strategies that shard it)."""

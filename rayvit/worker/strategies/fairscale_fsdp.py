@@ -250,8 +250,10 @@ class FairScaleFSDP(Strategy):
 
     # Sharded state: each rank saves its own shard of the model and optimizer.
     def save(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        torch.save({"model": model.local_state_dict(), "optim": optimizer.state_dict()},
-                   os.path.join(directory, f"rank{rank()}.pt"))
+        # With the shard's metadata, so that rayvit.worker.checkpoint.load_checkpoint can consolidate the
+        # shards into one model offline (FairScale's consolidate_shard_weights).
+        torch.save({"model": model.local_state_dict(), "optim": optimizer.state_dict(),
+                    "metadata": model.local_metadata_dict()}, os.path.join(directory, f"rank{rank()}.pt"))
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = torch.load(os.path.join(directory, f"rank{rank()}.pt"), map_location=self.device)

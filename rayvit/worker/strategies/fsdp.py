@@ -30,9 +30,8 @@ from rayvit.config import Config
 from rayvit.projection.costs import (Layout, Message, ShardGroup, StateBytes, chunk_local, sharded_messages,
                                      sharded_transient, tensor_state)
 from rayvit.projection.shapes import ROOT_UNIT, fsdp_units
+from rayvit.worker.checkpoint import SHARDED_DIR
 from rayvit.worker.strategies.base import Strategy, world_size
-
-SHARDED_DIR = "sharded"
 
 
 def groups(layout: Layout) -> list[ShardGroup]:

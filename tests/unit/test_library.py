@@ -1,0 +1,197 @@
+"""rayvit as a library, without Ray running: configs by name or dict, the driver-side checks of a trainer,
+checkpoints read back into a model, two runs compared, and a caller's process left as it was found."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from rayvit import stats
+from rayvit.config import ConfigError, as_config, load_config
+from rayvit.results import Comparison, RunResult
+from rayvit.worker import Session, train
+from rayvit.worker.checkpoint import load_checkpoint
+
+TINY = ["train.steps=4", "train.warmup_steps=1"]
+
+
+class ProcessSnapshot:
+    """What a public entry point must leave as it found it: the environment, every logger's level,
+    handlers and propagation, torch's thread count, ``sys.excepthook`` and the signal handlers."""
+
+    def __init__(self) -> None:
+        import ray  # noqa: F401 - importing Ray sets RAY_CLIENT_MODE itself: compare after it
+
+        loggers = {"": logging.getLogger(), **{n: lg for n, lg in logging.Logger.manager.loggerDict.items()
+                                               if isinstance(lg, logging.Logger)}}
+        self.environ = dict(os.environ)
+        self.loggers = {n: (lg.level, list(lg.handlers), lg.propagate) for n, lg in loggers.items()}
+        self.threads = torch.get_num_threads()
+        self.excepthook = sys.excepthook
+        self.signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def differences(self) -> list[str]:
+        now = ProcessSnapshot()
+        found = [f"env {k}: {self.environ.get(k)!r} -> {now.environ.get(k)!r}"
+                 for k in set(self.environ) | set(now.environ) if self.environ.get(k) != now.environ.get(k)]
+        found += [f"logger {n!r}: {self.loggers[n]} -> {now.loggers.get(n)}" for n in self.loggers
+                  if now.loggers.get(n) != self.loggers[n]]
+        if now.threads != self.threads:
+            found.append(f"torch threads {self.threads} -> {now.threads}")
+        if now.excepthook is not self.excepthook:
+            found.append("sys.excepthook replaced")
+        found += [f"signal {s}" for s in self.signals if now.signals[s] is not self.signals[s]]
+        return found
+
+
+def test_load_config_resolves_the_shipped_config_names_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("cpu_default") == load_config("cpu_default.yaml")
+    assert load_config("cpu_default").to_dict() == as_config("cpu_default").to_dict()
+    with pytest.raises(ConfigError, match="nor is it one of the configs rayvit ships: cpu_default"):
+        load_config("cpu_defualt")
+
+
+def test_entry_points_take_a_config_or_its_dict_and_refuse_anything_else():
+    cfg = load_config("cpu_default", TINY)
+    assert as_config(cfg.to_dict()) == cfg and as_config(cfg) is cfg
+    assert train(cfg.to_dict())["timed_steps"] == 3
+    with pytest.raises(ConfigError, match="model.nmae"):
+        as_config({**cfg.to_dict(), "model": {"nmae": "vit_b16"}})
+    with pytest.raises(ConfigError, match="expected a rayvit Config"):
+        train(42)
+
+
+def test_train_and_compare_leave_the_callers_process_as_they_found_it():
+    from rayvit.worker.bench import compare
+
+    torch.set_num_threads(2)
+    before = ProcessSnapshot()
+    train(load_config("cpu_default", TINY))
+    comparison = compare(load_config("cpu_default", TINY), load_config("cpu_default", [*TINY, "optim.impl=loop"]),
+                         rounds=2)
+    assert before.differences() == []
+    assert comparison.ratio.lo <= comparison.ratio.median <= comparison.ratio.hi
+
+
+def test_a_trainer_is_checked_on_the_driver_before_any_worker_starts():
+    """A typo, a ScalingConfig that disagrees with the config: refused when the trainer is built, in well
+    under two seconds, with both values named."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayvit.trainer import loop_config, make_trainer, scaling_config
+
+    cfg = load_config("cpu_default", ["parallel.num_workers=2"])
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="num_workers=4 against parallel.num_workers=2"):
+        make_trainer(cfg, scaling_config=ScalingConfig(num_workers=4))
+    with pytest.raises(ConfigError, match="CPU=2 against parallel.cpus_per_worker=1"):
+        make_trainer(cfg, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2}))
+    with pytest.raises(ConfigError, match="train.setps"):
+        make_trainer({**cfg.to_dict(), "train": {"setps": 3}})
+    with pytest.raises(ConfigError, match="train.setps"):
+        loop_config({**cfg.to_dict(), "train": {"setps": 3}})
+    assert time.monotonic() - start < 2
+    trainer = make_trainer(cfg, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}))
+    assert isinstance(trainer, TorchTrainer)
+    assert scaling_config(cfg).num_workers == 2 and scaling_config(cfg).resources_per_worker == {"CPU": 1.0}
+
+
+@pytest.mark.parametrize("strategy, mode", [("ddp", "fp32"), ("ddp", "mixed"), ("fsdp", "mixed"),
+                                            ("fairscale_oss", "fp32")])
+def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strategy, mode):
+    """What the run's optimizer stepped comes back: fp32 weights (the master copy under mixed), the
+    optimizer state, the step and the config."""
+    cfg = load_config("cpu_default", [*TINY, f"parallel.strategy={strategy}", f"precision.mode={mode}"])
+    session = Session(cfg)
+    try:
+        for _ in range(3):
+            session.clear_grads()
+            session.train_step()
+        session.save_checkpoint(str(tmp_path))
+        if strategy == "fsdp":
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            expected = {k: v.full_tensor() for k, v in get_state_dict(session.model, session.optimizer)[0].items()}
+        else:
+            model = session.strategy.unwrap(session.model)
+            expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if session.masters is not None:
+                expected.update({n: session.masters.master_of(p).detach().clone() for n, p in model.named_parameters()})
+    finally:
+        session.close()
+    loaded = load_checkpoint(tmp_path)
+    state = loaded.model.state_dict()
+    assert set(state) == set(expected) and loaded.step == 3 and loaded.config == cfg
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value.float(), msg=key)
+    assert loaded.optimizer_state and not loaded.model.training
+
+
+def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
+    """FairScale FSDP trains on GPUs only, but its wrapper, flat shards and metadata exist on CPU: what its
+    strategy saves is consolidated by FairScale's own offline routine."""
+    import torch.distributed as dist
+    from fairscale.nn import FullyShardedDataParallel
+
+    from rayvit.models import build_model
+    from rayvit.worker import checkpoint
+    from rayvit.worker.strategies.fairscale_fsdp import FairScaleFSDP
+
+    cfg = load_config("cpu_default")
+    model = build_model(cfg.model)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        wrapped = FullyShardedDataParallel(model, compute_device=torch.device("cpu"))
+        optimizer = torch.optim.AdamW(wrapped.parameters())
+        FairScaleFSDP.save(None, str(tmp_path), wrapped, optimizer)
+    finally:
+        dist.destroy_process_group()
+    checkpoint.write_meta(str(tmp_path), {"step": 0, "config": cfg.to_dict()})
+    loaded = load_checkpoint(tmp_path)
+    for key, value in expected.items():
+        torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)
+    assert isinstance(loaded.optimizer_state, list) and len(loaded.optimizer_state) == 1
+
+
+def test_a_folder_without_a_model_says_how_to_get_one(tmp_path):
+    with pytest.raises(ConfigError, match="train.checkpoint_every > 0"):
+        load_checkpoint(tmp_path)
+
+
+def _result(times: list[list[float]], rounds: list[int]) -> RunResult:
+    cfg = load_config("cpu_default")
+    metrics = {"train_flops_per_image": 3e7, "peak_tflops": 0.2}
+    conditions = {"batch_per_chip": cfg.train.batch_size, "world_size": 1}
+    per_round = [RunResult(metrics=dict(metrics), conditions=dict(conditions), step_times=t) for t in times]
+    return RunResult.of_rounds(per_round, [(r, 0) for r in rounds])
+
+
+def test_two_runs_compare_as_a_paired_ratio_with_its_interval_and_verdict():
+    fast = _result([[0.01] * 10, [0.011] * 10, [0.0105] * 10], [0, 1, 2])
+    slow = _result([[0.02] * 10, [0.022] * 10, [0.021] * 10], [0, 1, 2])
+    ratio = stats.compare(fast, slow)
+    assert ratio.median == pytest.approx(2.0) and ratio.rounds == 3
+    comparison = Comparison(slow, fast)
+    assert comparison.verdict == "higher" and comparison.ratio.median == pytest.approx(2.0)
+    assert "2.000x" in comparison.text() and "beyond noise" in comparison.text()
+    assert Comparison(slow, slow).verdict == "within noise"
+    # Runs from different rounds (two fits): each side resampled alone.
+    other = _result([[0.02] * 10], [7])
+    assert stats.compare(fast, other).rounds == 1
+    with pytest.raises(TypeError, match="rayvit.stats.compare"):
+        stats.paired_ratio(fast, slow, lambda s: s, lambda s: s)
+    with pytest.raises(ValueError, match="has no interval"):
+        stats.compare(fast, slow, "final_loss")
+    assert math.isfinite(stats.compare(fast, slow, "tflops_per_chip").median)
