@@ -24,8 +24,9 @@ from rayvit.launch.storage import StorageError, check_storage, default_storage_p
 from rayvit.launch.trainer import (GroupResult, RayvitTrainer, TrainingError, build_trainer, check_cluster_fits, compare,
                                    fit, fit_group, loop_config, make_trainer, scaling_config, train_loop_per_worker)
 from rayvit.results import Comparison, RunResult
+from rayvit.worker.checkpoint import Checkpointed, load_checkpoint
 
-__all__ = ["ClusterTooSmall", "Comparison", "ConnectError", "GroupResult", "RayvitTrainer", "RunResult", "ScaleUpTimeout", "StorageError",
+__all__ = ["Checkpointed", "ClusterTooSmall", "Comparison", "ConnectError", "GroupResult", "RayvitTrainer", "RunResult", "ScaleUpTimeout", "StorageError",
            "TrainingError", "build_trainer", "check_cluster_fits", "check_storage", "compare", "default_storage_path",
-           "ensure_ray", "fit", "fit_group", "loop_config", "make_trainer", "scaling_config", "storage_path",
+           "ensure_ray", "fit", "fit_group", "load_checkpoint", "loop_config", "make_trainer", "scaling_config", "storage_path",
            "train_loop_per_worker"]

@@ -29,7 +29,7 @@ from rayvit.studies.search import run_search
 from rayvit.studies.trials import ERROR_KEY, STATUS_KEY, trial_trainable
 from rayvit.trainer import TrainingError, fit
 
-from shared import REPO, QUICK, SEARCH_CPU, TINY_MODEL, cli_env
+from shared import REPO, QUICK, SEARCH_CPU, TINY_MODEL, ProcessSnapshot, cli_env
 
 
 
@@ -225,7 +225,9 @@ def test_asha_stopped_trials_release_their_workers(local_ray):
                         "search.screen": False,
                         "search.asha_grace_steps": 10, "search.asha_reduction_factor": 5,
                         "search.max_accuracy_drop": 1.0, "search.name": "asha"})
+    before = ProcessSnapshot()
     report = run_search(cfg, out=lambda line: None)
+    assert before.differences() == []            # Tune's and rayvit's settings were the search's alone
     by_name = {o.point.setting["optim.name"]: o for o in report.outcomes}
     assert by_name["sgd"].status == "stopped", by_name["sgd"].verdict.reason
     assert by_name["sgd"].verdict.reason.startswith("stopped early by ASHA at step")

@@ -10,7 +10,9 @@ import torch
 from rayvit.config import load_config
 from rayvit.data.digits import export_image_folder
 from rayvit.results import RunResult
-from rayvit.trainer import ClusterTooSmall, TrainingError, build_trainer, check_cluster_fits, fit
+from rayvit.trainer import ClusterTooSmall, TrainingError, build_trainer, check_cluster_fits, fit, load_checkpoint
+
+from shared import ProcessSnapshot
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,6 +41,7 @@ def final_params(checkpoint_dir, strategy, tmp_path):
 
 def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_state(tmp_path):
     params, results = {}, {}
+    before = ProcessSnapshot()
     for strategy in ("ddp", "fsdp", "fairscale_oss"):
         cfg = two_workers(f"parallel.strategy={strategy}", "optim.name=sgd", "optim.lr=0.05",
                           "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=4")
@@ -46,6 +49,15 @@ def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_stat
         results[strategy] = RunResult.from_dict(result.return_value)
         params[strategy] = final_params(result.checkpoint.path, strategy, tmp_path)
         assert results[strategy]["world_size"] == 2
+        # The same model, read back by the library whatever the strategy wrote.
+        loaded = load_checkpoint(result.checkpoint).model.state_dict()
+        for key, value in params[strategy].items():
+            torch.testing.assert_close(loaded[key], value, msg=key)
+        # result.metrics is the final report: the summary with its intervals, as fit() returns it.
+        summary = RunResult.of_rounds([results[strategy]])
+        assert result.metrics["final"] and result.metrics["tflops_per_chip"] == summary["tflops_per_chip"]
+        assert result.metrics["tflops_per_chip_lo"] <= result.metrics["tflops_per_chip"] <= result.metrics["tflops_per_chip_hi"]
+    assert before.differences() == []            # the trainers' fit() left this process as it was
     for strategy in ("fsdp", "fairscale_oss"):
         assert params[strategy].keys() == params["ddp"].keys()
         for key, value in params["ddp"].items():
@@ -192,3 +204,18 @@ def test_a_group_that_dies_keeps_finished_points_and_measures_the_rest_alone(tmp
     assert outcomes[2].result["rounds"] == 1 and outcomes[0].result["strategy"] == "ddp"
     statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
     assert statuses == {"ddp/w2": "FINISHED", "exits/w2": "FAILED", "fsdp/w2": "FINISHED"}
+
+
+def test_a_hand_built_trainer_with_more_workers_than_the_config_is_refused_with_both_numbers():
+    """A TorchTrainer built by hand (no driver-side check): the first worker refuses figures that would be
+    stated for the wrong world size, instead of training on silently."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayvit.trainer import loop_config, train_loop_per_worker
+
+    cfg = load_config(overrides=["parallel.num_workers=1", "train.steps=2", "train.warmup_steps=1"])
+    trainer = TorchTrainer(train_loop_per_worker, train_loop_config=loop_config(cfg),
+                           scaling_config=ScalingConfig(num_workers=2))
+    with pytest.raises(Exception, match="started 2 workers, the config says parallel.num_workers=1"):
+        trainer.fit()
