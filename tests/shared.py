@@ -43,6 +43,11 @@ def cli_env(root: Path) -> dict[str, str]:
     return env
 
 
+# The whole image as it is, no random crop, flip or border cut: for tests that tell samples apart by their
+# pixels (parquet data is otherwise cropped as ImageNet training does: rayvit.data.images).
+WHOLE_IMAGES = ("data.crop_scale=[1, 1]", "data.crop_ratio=[1, 1]", "data.hflip=0", "data.crop_pct=1")
+
+
 # -- MLflow records -------------------------------------------------------------------------------
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

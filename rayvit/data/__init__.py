@@ -1,8 +1,9 @@
 """Input data for the training loop: synthetic, scikit-learn digits, or parquet (with or without Ray).
 
 :func:`build_data` is the one entry point. Every batch is ``(images, labels)``: float32
-``(B, 3, S, S)`` normalised images and int64 ``(B,)`` labels, already on the requested device. Ray is
-imported only by the functions that use it (``rayvit.data.parquet.ray_datasets`` and Ray shards).
+``(B, 3, S, S)`` normalised images and int64 ``(B,)`` labels, already on the requested device. Parquet
+images are decoded and cropped as ImageNet training does (:mod:`rayvit.data.images`). Ray is imported
+only by the functions that use it (``rayvit.data.parquet.ray_datasets`` and Ray shards).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from rayvit.config import Config, ConfigError
 from rayvit.data import batching, digits, parquet, synthetic
 from rayvit.data.parquet import ray_datasets, with_absolute_paths
+from rayvit.data.pipeline import Skipped, decoded_train_batches
 
 if TYPE_CHECKING:
     import pyarrow.fs
@@ -32,6 +34,14 @@ class Data:
     num_train: int      # size of the whole train split (all ranks)
     num_val: int
     num_classes: int    # classes present in the data
+    # Corrupt images dropped under data.skip_corrupt=true (each named once on stderr), else None.
+    skipped: Optional[Skipped] = None
+
+    def close(self) -> None:
+        """Stop what feeds ``train`` (a prefetch thread, Ray Data's iterator)."""
+        close = getattr(self.train, "close", None)
+        if close is not None:
+            close()
 
 
 def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: int = 1,
@@ -54,10 +64,12 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
                               "data.name=parquet")
         info = parquet.shard_info(dataset_shards["train"], cfg)
         val_shard = dataset_shards.get("val")
+        skipped = Skipped() if d.skip_corrupt else None
         return Data(
-            train=parquet.shard_train_batches(dataset_shards["train"], cfg, device, rank, world_size),
-            val_batches=parquet.shard_val_batches(val_shard, cfg, device) if val_shard is not None else None,
-            num_train=info.num_train, num_val=info.num_val, num_classes=info.num_classes)
+            train=parquet.shard_train_batches(dataset_shards["train"], cfg, device, rank, world_size, skipped),
+            val_batches=(parquet.shard_val_batches(val_shard, cfg, device, skipped)
+                         if val_shard is not None else None),
+            num_train=info.num_train, num_val=info.num_val, num_classes=info.num_classes, skipped=skipped)
 
     if d.name == "synthetic":
         batches = synthetic.synthetic_batches(cfg, device, rank)
@@ -65,15 +77,20 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
                     num_train=len(batches) * t.batch_size * world_size, num_val=0,
                     num_classes=cfg.model.num_classes)
 
-    if d.name == "digits":
-        train, val = digits.digits_tensors(d.val_fraction, t.seed, device)
-        num_classes = int(torch.cat([train[1], val[1]]).max()) + 1
-        batching.check_num_classes(num_classes, cfg.model.num_classes, "data.name=digits")
-        transform = digits.upsampler(cfg.model.image_size)
-    else:
-        train, val, num_classes = parquet.load_split(cfg, device, filesystem)
-        transform = batching.uint8_normaliser(device)
+    if d.name == "parquet":
+        skipped = Skipped() if d.skip_corrupt else None
+        encoded, val, num_classes = parquet.load_split(cfg, device, filesystem, skipped)
+        normalise = batching.uint8_normaliser(device)
+        return Data(
+            train=decoded_train_batches(encoded, cfg, device, normalise, rank, world_size, skipped),
+            val_batches=(batching.val_batches(*val, normalise, t.batch_size, rank, world_size)
+                         if len(val[1]) else None),
+            num_train=len(encoded.labels), num_val=len(val[1]), num_classes=num_classes, skipped=skipped)
 
+    train, val = digits.digits_tensors(d.val_fraction, t.seed, device)
+    num_classes = int(torch.cat([train[1], val[1]]).max()) + 1
+    batching.check_num_classes(num_classes, cfg.model.num_classes, "data.name=digits")
+    transform = digits.upsampler(cfg.model.image_size)
     return Data(
         train=batching.train_batches(*train, transform, t.batch_size, t.seed, rank, world_size),
         val_batches=(batching.val_batches(*val, transform, t.batch_size, rank, world_size)

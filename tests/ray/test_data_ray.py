@@ -11,7 +11,7 @@ import torch
 
 from rayvit.data import build_data, ray_datasets
 
-from shared import CPU, config, sample_key, take
+from shared import CPU, WHOLE_IMAGES, config, sample_key, take
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def local_ray(shared_ray):
 
 
 def test_ray_data_path_feeds_build_data_from_shards(local_ray, digits_parquet):
-    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16")
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16", *WHOLE_IMAGES)
     datasets = ray_datasets(cfg)
     assert set(datasets) == {"train", "val"}
     rows = datasets["val"].take_batch(5, batch_format="numpy")
@@ -55,7 +55,7 @@ def test_ray_data_split_shards_are_disjoint_across_ranks(local_ray, digits_parqu
     """Two ranks reading a streaming split (as Ray Train hands them out) see disjoint train rows."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8")
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8", *WHOLE_IMAGES)
     shards = ray_datasets(cfg)["train"].streaming_split(2, equal=True)
     steps = (1437 // 2) // 16
 

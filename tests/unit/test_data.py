@@ -15,6 +15,7 @@ import torch
 from rayvit.config import ConfigError
 from rayvit.data import build_data, with_absolute_paths
 from rayvit.data.digits import load_digits_arrays
+from rayvit.data.images import ImageTransform
 from rayvit.data.parquet import class_names, load_split
 
 from shared import CPU, config, sample_key, take
@@ -119,9 +120,11 @@ def test_to_parquet_round_trip_keeps_images_and_labels(digits_parquet):
     images, labels = load_digits_arrays()
     label_of = {img.tobytes(): int(y) for img, y in zip(images, labels)}
 
-    # Read back through the pyarrow + PIL path at native size: pixels invert exactly to 0..16.
-    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8")
-    (train_x, train_y), (val_x, val_y), num_classes = load_split(cfg, CPU)
+    # Read back through the pyarrow path at native size, under the validation transform that keeps the
+    # whole square (crop_pct 1): pixels invert exactly to 0..16.
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8", "data.crop_pct=1")
+    train, (val_x, val_y), num_classes = load_split(cfg, CPU)
+    train_x, train_y = train.decode(ImageTransform.of(cfg, train=False), threads=2)
     assert num_classes == 10 and len(train_y) == 1437 and len(val_y) == 360
     x = torch.cat([train_x, val_x])
     assert x.dtype == torch.uint8 and x.shape == (1797, 3, 8, 8)
