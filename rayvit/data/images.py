@@ -167,6 +167,13 @@ def _pil(data: bytes, divisor: int) -> np.ndarray:
         return np.array(img.convert("RGB"))     # a writable copy (torch refuses read-only buffers)
 
 
+def scaled_box(box: Box, sx: float, sy: float, width: int, height: int) -> Box:
+    """``box`` on an image scaled by (sx, sy) to ``width`` x ``height``: the nearest whole-pixel box there (a
+    crop moved by under half a scaled pixel, which is still a crop of the same distribution)."""
+    x, y = min(round(box[0] * sx), width - 1), min(round(box[1] * sy), height - 1)
+    return x, y, max(1, min(width - x, round(box[2] * sx))), max(1, min(height - y, round(box[3] * sy)))
+
+
 def resize_box(pixels: np.ndarray, box: Box, size: int) -> torch.Tensor:
     """uint8 (1, 3, size, size), channels-last: the box of ``pixels`` resized (bilinear, antialiased)."""
     x, y, w, h = box
@@ -186,9 +193,7 @@ def transform_image(data: bytes, spec: ImageTransform, rng: random.Random) -> to
     pixels = decode_scaled(data, divisor, spec.decoder)
     got_h, got_w = pixels.shape[:2]
     if (got_w, got_h) != (width, height):
-        sx, sy = got_w / width, got_h / height
-        x, y = min(int(box[0] * sx), got_w - 1), min(int(box[1] * sy), got_h - 1)
-        box = (x, y, max(1, min(got_w - x, round(box[2] * sx))), max(1, min(got_h - y, round(box[3] * sy))))
+        box = scaled_box(box, got_w / width, got_h / height, got_w, got_h)
     out = resize_box(pixels, box, spec.size)[0]
     if spec.train and spec.hflip > 0 and rng.random() < spec.hflip:
         out = out.flip(-1)

@@ -252,7 +252,7 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
 
     rng = random.Random()
     images, errors = transform_batch(encoded, spec, [rng] * len(encoded), where)
-    out = {"image": images, "label": np.asarray(batch[label_column], dtype=np.int64)}
+    out = {image_column: images, label_column: np.asarray(batch[label_column], dtype=np.int64)}
     if skip_corrupt:
         out["corrupt"] = np.array([e or "" for e in errors], dtype=object)
     else:
@@ -263,8 +263,9 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
 def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> dict[str, "ray.data.Dataset"]:
     """Ray Datasets for ``TorchTrainer(datasets=...)``: ``"train"``, and ``"val"`` when there is one.
 
-    Rows come out as uint8 ``image`` (3, S, S) (the training or validation crop of
-    :mod:`rayvit.data.images`) and int64 ``label``; normalisation to float32 happens on the worker's
+    Rows come out as uint8 images (3, S, S) (the training or validation crop of
+    :mod:`rayvit.data.images`) and int64 labels, in the columns ``data.image_column`` and
+    ``data.label_column`` (:func:`decode_dataset`); normalisation to float32 happens on the worker's
     device in :func:`shard_train_batches` (4x less data through the object store and host-to-device
     copies than float32). Data paths are local paths or URIs that ``pyarrow.fs`` opens (``s3://``,
     ``gs://``, ``hdfs://``, ``file://``), or paths inside ``filesystem``; they are resolved here, on the
@@ -295,23 +296,32 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
         train, val = read(d.path, "data.path").train_test_split(
             test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
 
-    def decoded(ds: "ray.data.Dataset", training: bool, key: str) -> "ray.data.Dataset":
-        if d.decode == "gpu" and training:
-            from rayvit.data.gpu_decode import plan_batch
-
-            return ds.map_batches(plan_batch, batch_format="numpy", fn_kwargs=dict(
-                image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, True)))
-        return ds.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=dict(
-            image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
-            skip_corrupt=d.skip_corrupt, filesystem=sources[key].filesystem))
-
-    datasets = {"train": decoded(train, True, "data.path"),
-                "val": decoded(val, False, "data.val_path" if d.val_path else "data.path")}
+    val_key = "data.val_path" if d.val_path else "data.path"
+    datasets = {"train": decode_dataset(train, cfg, True, sources["data.path"].filesystem),
+                "val": decode_dataset(val, cfg, False, sources[val_key].filesystem)}
     for ds in datasets.values():
         # Workers learn sizes and class count from the shard's DataContext, so they never need to reach
         # the files themselves (which may sit on another node).
         ds.context.set_config(INFO_KEY, dataclasses.asdict(info))
     return datasets
+
+
+def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
+                   filesystem: Optional[pafs.FileSystem] = None) -> "ray.data.Dataset":
+    """A Ray Dataset of encoded images (``data.image_column``: bytes, ``data.label_column``: integers) as
+    rayvit trains on it: each row's training (``training``) or validation crop, uint8 (3, S, S), in the same
+    columns. A ``path`` column (``read_parquet(include_paths=True)``) and the ``filesystem`` it lies in let
+    a corrupt image be named by file and row. Under ``data.decode=gpu`` training rows are only planned
+    here and decoded on the worker's GPU (:mod:`rayvit.data.gpu_decode`)."""
+    d = cfg.data
+    if d.decode == "gpu" and training:
+        from rayvit.data.gpu_decode import plan_batch
+
+        return dataset.map_batches(plan_batch, batch_format="numpy", fn_kwargs=dict(
+            image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, True)))
+    return dataset.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=dict(
+        image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
+        skip_corrupt=d.skip_corrupt, filesystem=filesystem or pafs.LocalFileSystem()))
 
 
 def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
@@ -331,7 +341,7 @@ def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int
         steps = 0
         for batch in _batches(shard, cfg, device, drop_last=True, local_shuffle_buffer_size=max(1024, 4 * batch_size),
                               local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
-            for images, labels in rebatch.push(*_kept(decode(batch), skip)):
+            for images, labels in rebatch.push(*_kept(decode(batch), cfg, skip)):
                 yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
                 steps += 1
         rebatch.clear()
@@ -347,7 +357,7 @@ def shard_val_batches(shard: Any, cfg: Config, device: torch.device, skip: Optio
 
     def batches() -> Iterator[Batch]:
         for batch in _batches(shard, cfg, device, drop_last=False):
-            images, labels = _kept(batch, skip)
+            images, labels = _kept(batch, cfg, skip)
             yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
 
     return batches
@@ -391,9 +401,9 @@ def corrupt_cause(error: BaseException) -> Optional[str]:
     return None
 
 
-def _kept(batch: dict[str, Any], skip: Optional[Skipped]) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept(batch: dict[str, Any], cfg: Config, skip: Optional[Skipped]) -> tuple[torch.Tensor, torch.Tensor]:
     """(images, labels) of a batch, less the rows marked corrupt (each counted in ``skip``)."""
-    images, labels = batch["image"], batch["label"].to(torch.int64)
+    images, labels = batch[cfg.data.image_column], batch[cfg.data.label_column].to(torch.int64)
     corrupt = batch.get("corrupt")
     if corrupt is None or skip is None:
         return images, labels
@@ -407,4 +417,5 @@ def _device_decoder(cfg: Config, device: torch.device) -> Callable[[dict[str, An
         return lambda batch: batch
     from rayvit.data.gpu_decode import decode_planned
 
-    return lambda batch: decode_planned(batch, cfg.model.image_size, device)
+    return lambda batch: decode_planned(batch, cfg.model.image_size, device, cfg.data.image_column,
+                                        cfg.data.label_column)
