@@ -181,7 +181,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.size, int(args.worker[1]), args.worker[2] == "1")))
         return
-    from rayvit.data.bench import cpu_description
+    from rayvit.worker.bench_data import cpu_description
     from rayvit.data.photos import make_photos
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,7 +29,7 @@ def main() -> None:
     import ray
 
     from rayvit.config import load_study
-    from rayvit.data.bench import cpu_description
+    from rayvit.worker.bench_data import cpu_description
     from rayvit.data.photos import make_photos
     from rayvit.data.to_parquet import convert
     from rayvit.formats import interval

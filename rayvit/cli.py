@@ -306,7 +306,7 @@ def gpu_check(argv: Sequence[str], prog: str = "rayvit gpu-check") -> int:
 
 
 def bench_data(argv: Sequence[str], prog: str = "rayvit bench-data") -> int:
-    from rayvit.data.bench import main as bench_data_main
+    from rayvit.worker.bench_data import main as bench_data_main
 
     return bench_data_main(list(argv), prog=prog)
 

@@ -24,7 +24,7 @@ import torch
 from rayvit.config import Config, ConfigError
 from rayvit.data.batching import Batch, check_num_classes, seeded_split, split_sizes, uint8_normaliser
 from rayvit.data.images import CorruptImageError, ImageTransform, transform_batch
-from rayvit.data.pipeline import EncodedSplit, Rebatcher, Skipped
+from rayvit.data.pipeline import EncodedSplit, Skipped
 from rayvit.data.rows import RowPlaces, find_row
 
 if TYPE_CHECKING:
@@ -330,21 +330,22 @@ def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int
 
     Ray Train splits the dataset disjointly across workers; a local shuffle buffer, seeded per epoch and
     rank, reorders rows differently every epoch; ``data.prefetch_batches`` batches are fetched ahead.
-    Rows marked corrupt (``data.skip_corrupt``) are dropped, counted in ``skip``, and the batch refilled.
+    Rows marked corrupt (``data.skip_corrupt``) are dropped and counted in ``skip``; their places in the
+    batch go to the batch's other rows, so every rank keeps the same steps per epoch (Ray Data's equal
+    split releases the next epoch to all ranks at once: a rank with one batch fewer would wait there
+    while the others wait for it in the step's collective).
     """
     normalise = uint8_normaliser(device)
     batch_size = cfg.train.batch_size
-    rebatch = Rebatcher(batch_size)
     decode = _device_decoder(cfg, device)
     epoch = 0
     while True:
         steps = 0
         for batch in _batches(shard, cfg, device, drop_last=True, local_shuffle_buffer_size=max(1024, 4 * batch_size),
                               local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
-            for images, labels in rebatch.push(*_kept(decode(batch), cfg, skip)):
-                yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
-                steps += 1
-        rebatch.clear()
+            images, labels = _refilled(*_kept(decode(batch), cfg, skip), batch_size)
+            yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
+            steps += 1
         if steps == 0:
             raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
                               f"train.batch_size={batch_size}; lower it or use more data")
@@ -409,6 +410,17 @@ def _kept(batch: dict[str, Any], cfg: Config, skip: Optional[Skipped]) -> tuple[
         return images, labels
     keep = Skipped.check([str(c) or None for c in corrupt], skip)
     return (images, labels) if keep is None else (images[keep], labels[keep])
+
+
+def _refilled(images: torch.Tensor, labels: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch that lost rows, back to ``batch_size`` by repeating its own first rows."""
+    if len(labels) == batch_size:
+        return images, labels
+    if len(labels) == 0:
+        raise CorruptImageError(f"every image of a batch of {batch_size} was corrupt (each named in a warning); "
+                                "the data cannot be trained on")
+    repeat = torch.arange(batch_size, device=labels.device) % len(labels)
+    return images[repeat], labels[repeat]
 
 
 def _device_decoder(cfg: Config, device: torch.device) -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -10,7 +10,6 @@ projection then says per point how many cores per chip the input needs and wheth
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -24,6 +23,7 @@ import torch
 
 from rayvit.config import Config, ConfigError, load_config
 from rayvit.data.images import ImageTransform, transform_into
+from rayvit.worker.bench import ab_parser, parse_compare
 
 EXAMPLES = """examples:
   rayvit bench-data data.path=/data/imagenet/train model.image_size=224
@@ -110,16 +110,8 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "rayvit bench-data") -> int:
-    from rayvit.worker.bench import parse_compare
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=EXAMPLES,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    parser.add_argument("--config", help="YAML config file (data.path: your parquet file or folder)")
-    parser.add_argument("--compare", action="append", default=[], metavar="KEY=V1,V2",
-                        help="variants to time side by side; repeat for several groups")
+    parser = ab_parser(prog, __doc__, EXAMPLES, "YAML config file (data.path: your parquet file or folder)")
     parser.add_argument("--images", type=int, default=256, help="rows read and decoded per round (default 256)")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--json", help="write the results here (rayvit project --data-rate reads it)")
     args = parser.parse_args(argv)
     if args.images < 1 or args.rounds < 1:
