@@ -116,7 +116,7 @@ def decoded_train_batches(split: EncodedSplit, cfg: Config, device: torch.device
     Shares are cut as ``batching.train_batches`` cuts them: the same permutation on every rank (seed +
     epoch), every ``world_size``-th row from ``rank``, the same number of steps per rank.
     """
-    batch_size, seed = cfg.train.batch_size, cfg.train.seed
+    batch_size = cfg.train.batch_size
     n = len(split.labels)
     per_rank = n // world_size
     if per_rank // batch_size == 0:

@@ -219,9 +219,31 @@ def test_to_parquet_cli_errors_and_help(tmp_path, capsys):
 def test_importing_rayvit_data_does_not_import_ray():
     code = "import sys, rayvit.data; assert 'ray' not in sys.modules, 'ray was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    # The dataset check the driver runs, the sample photographs and the input projection: no torch either.
+    code = ("import sys, rayvit.data.schema, rayvit.data.photos, rayvit.projection.inputs; "
+            "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'torch or ray was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 # --------------------------------------------------------------------------------------------------
 # parquet through Ray Data
 
 
+
+
+def test_dataset_columns_are_named_when_they_are_not_images_and_labels():
+    """rayvit.data.schema, as the driver runs it on a user's Ray Dataset (its schema's names and types)."""
+    import pyarrow as pa
+
+    from rayvit.data.schema import check_columns
+
+    cfg = config("model.image_size=16")
+    assert check_columns(["image", "label", "path"], [pa.binary(), pa.int64(), pa.string()], cfg) == "encoded"
+    with pytest.raises(ConfigError, match=r"labels 'label' are string, not integers 0..C-1 \(columns: image "
+                                          r"\(binary\), label \(string\)\)"):
+        check_columns(["image", "label"], [pa.binary(), pa.string()], cfg)
+    with pytest.raises(ConfigError, match=r"image column 'image' is float .*uint8 images of shape \(3, 16, 16\)"):
+        check_columns(["image", "label"], [pa.float32(), pa.int64()], cfg)
+    with pytest.raises(ConfigError, match=r"has no column 'image' \(columns: img \(binary\), y \(int64\)\); .*"
+                                          r"data.image_column='image'"):
+        check_columns(["img", "y"], [pa.binary(), pa.int64()], cfg)
