@@ -6,6 +6,7 @@
     rayvit bench   [k=v ...] [--compare k=a,b]      single-process A/B timing of the training step
     rayvit gpu-check [--quick] [--list]             what only a GPU can tell, with the ladder's TFLOPS and MFU
     rayvit to-parquet SRC DST                       image folder -> parquet shards for data.name=parquet
+    rayvit bench-data data.path=P [k=v ...]         the input pipeline's images/s per CPU core on your files
 
 ``experiments/scaling.py`` and ``experiments/search.py`` are the same commands as files, for
 ``ray job submit -- python experiments/scaling.py``. Exit status: 0 done, 1 a point or trial failed,
@@ -152,6 +153,12 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
                             "`rayvit bench --json` output or "
                             "`rayvit gpu-check`'s JSON (needed for the cpu profile)")
     group.add_argument("--out-dir", default="results", help="where the PNG goes (default: results/)")
+    group.add_argument("--data-rate", metavar="JSON|N",
+                       help="the input pipeline's images/s per CPU core (`rayvit bench-data --json` output, or a "
+                            "number): adds whether each point's node can feed its chips, the cores per chip it "
+                            "needs and the epoch time bound by the slower of compute and input")
+    group.add_argument("--node-cpus", type=float, metavar="N",
+                       help="CPUs per node for --data-rate (default: the profile's instance, this machine's on cpu)")
 
 
 def _project(args: argparse.Namespace) -> int:
@@ -161,7 +168,8 @@ def _project(args: argparse.Namespace) -> int:
 
     study = load_study(args.config, args.overrides)
     hardware = args.hardware or (["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"])
-    projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir)
+    projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir,
+                   data_rate=args.data_rate, node_cpus=args.node_cpus)
     return 0
 
 
@@ -284,6 +292,12 @@ def gpu_check(argv: Sequence[str], prog: str = "rayvit gpu-check") -> int:
     return gpu_check_main(list(argv), prog=prog)
 
 
+def bench_data(argv: Sequence[str], prog: str = "rayvit bench-data") -> int:
+    from rayvit.worker.bench_data import main as bench_data_main
+
+    return bench_data_main(list(argv), prog=prog)
+
+
 def to_parquet(argv: Sequence[str], prog: str = "rayvit to-parquet") -> int:
     from rayvit.data.to_parquet import main as to_parquet_main
 
@@ -297,6 +311,7 @@ COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "bench": (bench, "single-process A/B timing of the training step (ratios against the first variant)"),
     "gpu-check": (gpu_check, "on one GPU: every precision level and strategy, FairScale FSDP, the ladder's TFLOPS"),
     "to-parquet": (to_parquet, "convert an image folder into parquet shards for data.name=parquet"),
+    "bench-data": (bench_data, "the input pipeline's images/s per CPU core on your parquet files (for --data-rate)"),
 }
 
 

@@ -145,6 +145,28 @@ class DataConfig:
     synthetic_batches: int = 4
     # digits / parquet: fraction held out for validation when no val_path is given.
     val_fraction: float = 0.2
+    # parquet: ImageNet's transforms with torchvision's and timm's defaults (rayvit.data.images). Training:
+    # a random crop of crop_scale x the area with aspect in crop_ratio, resized to model.image_size,
+    # flipped with probability hflip, then the stronger augmentation named by augment (none, randaugment:
+    # randaugment_ops operations at randaugment_magnitude on 0-30). crop_scale=[1, 1], crop_ratio=[1, 1],
+    # hflip=0: no random crop (the largest central square). Validation: the central image_size square
+    # after resizing the shorter side to image_size / crop_pct (1.0: the largest central square).
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = 0.5
+    crop_pct: float = 0.875
+    augment: Literal["none", "randaugment"] = "none"
+    randaugment_ops: int = 2
+    randaugment_magnitude: int = 9
+    # Where JPEGs are decoded: cpu (Ray Data tasks or this process, with cpu_decoder), or gpu
+    # (torchvision.io.decode_jpeg on the worker's device, batched; needs parallel.use_gpu and torchvision).
+    decode: Literal["cpu", "gpu"] = "cpu"
+    cpu_decoder: Literal["simplejpeg", "pil"] = "simplejpeg"
+    # An image no decoder reads: false stops the run with an error naming the file, row and reason; true
+    # drops the row, warns once per image and counts it (the run's skipped_images).
+    skip_corrupt: bool = False
+    # Batches decoded ahead of the step (Ray Data's prefetch_batches; a thread without Ray).
+    prefetch_batches: int = 1
 
 
 @dataclass

@@ -48,6 +48,12 @@ def validate(cfg: Config) -> None:
     _validate_optim(cfg.optim)
     _validate_parallel(cfg)
     _validate_data(cfg.data)
+    if cfg.data.decode == "gpu":
+        _check(cfg.parallel.use_gpu and cfg.data.name == "parquet",
+               "data.decode=gpu decodes JPEGs on the worker's GPU: it needs parallel.use_gpu=true and "
+               "data.name=parquet (use data.decode=cpu otherwise)")
+        _check(cfg.data.augment == "none", f"data.augment={cfg.data.augment} runs on the CPU after the crop; "
+                                           "with data.decode=gpu use data.augment=none")
     _validate_train(cfg.train, cfg.parallel)
     _validate_launch(cfg.launch)
 
@@ -108,6 +114,20 @@ def _validate_data(d: DataConfig) -> None:
         _check(bool(d.path), "data.name=parquet needs data.path (a parquet file or folder of shards)")
     _check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _check(d.synthetic_batches >= 1, "data.synthetic_batches must be at least 1")
+    _validate_transforms(d)
+
+
+def _validate_transforms(d: DataConfig) -> None:
+    for key in ("crop_scale", "crop_ratio"):
+        pair = getattr(d, key)
+        _check(len(pair) == 2 and 0 < pair[0] <= pair[1],
+               f"data.{key}={pair} must be two numbers [low, high] with 0 < low <= high")
+    _check(d.crop_scale[1] <= 1, f"data.crop_scale={d.crop_scale}: a crop cannot hold more than the whole image (<= 1)")
+    _check(0 <= d.hflip <= 1, f"data.hflip={d.hflip} is a probability: it must be in [0, 1]")
+    _check(0 < d.crop_pct <= 1, f"data.crop_pct={d.crop_pct} must be in (0, 1]")
+    _check(d.randaugment_ops >= 0, f"data.randaugment_ops={d.randaugment_ops} must be >= 0")
+    _check(0 <= d.randaugment_magnitude <= 30, f"data.randaugment_magnitude={d.randaugment_magnitude} must be in [0, 30]")
+    _check(d.prefetch_batches >= 0, f"data.prefetch_batches={d.prefetch_batches} must be >= 0")
 
 
 def _validate_train(t: TrainConfig, p: ParallelConfig) -> None:

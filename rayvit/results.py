@@ -35,6 +35,13 @@ METRIC_KEYS = (
     "gpu_samples",                 # the fewest readings any rank averaged (a handful: a short window)
     "final_loss",
     "val_accuracy",
+    # The share of the timed steps' time spent waiting for the next batch (next() on the data iterator:
+    # decoding that fell behind, Ray Data's delivery, the host-to-device copy), each step's longest wait
+    # over ranks against its step time; above rayvit.projection.inputs.INPUT_BOUND_FRACTION the point was
+    # input-bound. Synthetic data waits for nothing. data.skip_corrupt only: skipped_images, the corrupt
+    # images dropped (each rank's distinct ones, summed).
+    "data_wait_fraction",
+    "skipped_images",
     "epoch_time_imagenet_h",       # 1,281,167 images at the measured global rate
     "train_flops_per_image",
     "peak_tflops",                 # the MFU denominator used
@@ -85,6 +92,8 @@ class RunResult:
     links: Optional[dict[str, Any]] = None
     # The slowest rank's time of each timed step of this run (one round).
     step_times: list[float] = field(default_factory=list)
+    # The longest wait for its batch over ranks, of each of those steps.
+    data_wait_times: list[float] = field(default_factory=list)
     # A point measured in several rounds (:meth:`of_rounds`): each round's ``round`` (0-based), ``slot``
     # (its position in the round's order), ``step_times``, ``images_per_sec_per_chip``, ``final_loss``,
     # ``wall_time_s``, ``compile_time_s`` (None when not compiled).
@@ -138,6 +147,7 @@ class RunResult:
         places = places or [(i, 0) for i in range(len(results))]
         last = results[-1]
         rounds = [{"round": r, "slot": slot, "step_times": list(res.step_times),
+                   "data_wait_times": list(res.data_wait_times),
                    "images_per_sec_per_chip": res.metrics.get("images_per_sec_per_chip"),
                    "final_loss": res.metrics.get("final_loss"), "wall_time_s": res.metrics.get("wall_time_s"),
                    "compile_time_s": res.metrics.get("compile_time_s")}
@@ -165,7 +175,7 @@ class RunResult:
         return cls(metrics=metrics, conditions=dict(last.conditions), history=list(last.history),
                    evals=list(last.evals), config=dict(last.config), restarts=last.restarts,
                    per_rank=per_rank, links=last.links, step_times=list(last.step_times),
-                   rounds=rounds)
+                   data_wait_times=list(last.data_wait_times), rounds=rounds)
 
 
 @dataclass

@@ -31,8 +31,12 @@ BLOCK_STEPS = 5          # timed steps per block (a round with fewer has one blo
 SEED = 20221208
 
 # Figures that get ``<key>_lo`` / ``<key>_hi`` beside them: every throughput figure of a point, each a
-# function of the round's timed step times (see :func:`round_figures`).
-INTERVAL_KEYS = ("images_per_sec_per_chip", "images_per_sec", "tflops_per_chip", "mfu", "step_time_mean_s")
+# function of the round's timed step times (see :func:`figure_functions`), and data_wait_fraction, of its
+# step and wait times (:func:`data_wait_estimate`).
+INTERVAL_KEYS = ("images_per_sec_per_chip", "images_per_sec", "tflops_per_chip", "mfu", "step_time_mean_s",
+                 "data_wait_fraction")
+# Of those, the figures of the step time alone, which two runs' results compare as ratios (:func:`compare`).
+RATIO_KEYS = INTERVAL_KEYS[:5]
 
 # A block: (timed steps, their seconds).
 Block = tuple[int, float]
@@ -214,7 +218,45 @@ def intervals(rounds: Sequence[Mapping[str, Any]], metrics: Mapping[str, Any],
         if est is not None:
             out.update(est.figures(key))
             out["rounds"] = float(est.rounds)
+    wait = data_wait_estimate(rounds)
+    if wait is not None:
+        out.update(wait.figures("data_wait_fraction"))
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The share of step time spent waiting for data
+
+
+def wait_blocks(step_times: Sequence[float], wait_times: Sequence[float], size: int = BLOCK_STEPS
+                ) -> list[tuple[int, float, float]]:
+    """(steps, their seconds, their seconds waiting for data) in the blocks :func:`cut` makes."""
+    pairs = [(float(s), float(w)) for s, w in zip(step_times, wait_times)
+             if s is not None and w is not None and math.isfinite(s) and s > 0 and math.isfinite(w)]
+    blocks = cut([s for s, _ in pairs], size)
+    out, start = [], 0
+    for steps, seconds in blocks:
+        out.append((steps, seconds, sum(w for _, w in pairs[start:start + steps])))
+        start += steps
+    return out
+
+
+def data_wait_estimate(rounds: Sequence[Mapping[str, Any]], resamples: int = RESAMPLES,
+                       seed: int = SEED) -> Optional[Estimate]:
+    """``data_wait_fraction``: the median over rounds of (seconds waiting / seconds stepping), resampled
+    as :func:`estimate` resamples (rounds, then blocks within them); None without wait times."""
+    blocks = [wait_blocks(r.get("step_times") or [], r.get("data_wait_times") or []) for r in rounds]
+    blocks = [b for b in blocks if b]
+    if not blocks:
+        return None
+
+    def fraction(r: Sequence[tuple[int, float, float]]) -> float:
+        return sum(b[2] for b in r) / sum(b[1] for b in r)
+
+    point = median(fraction(r) for r in blocks)
+    rng = random.Random(seed)
+    replicates = [median(fraction(_draw(rng, r)) for r in _draw(rng, blocks)) for _ in range(resamples)]
+    return _estimate(point, replicates, len(blocks))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -228,11 +270,11 @@ def compare(a: Any, b: Any, key: str = "images_per_sec_per_chip", *,
 
     ``paired`` (default: whether both were measured in the same rounds, as a group's results are): the
     ratio is taken within each round and the rounds are resampled together (:func:`paired_ratio`); else
-    each side is resampled alone (:func:`unpaired_ratio`). ``key`` is one of :data:`INTERVAL_KEYS`. None
-    when either side has no timed steps.
+    each side is resampled alone (:func:`unpaired_ratio`). ``key``: a figure of the step time (one of
+    :data:`RATIO_KEYS`). None when either side has no timed steps.
     """
-    if key not in INTERVAL_KEYS:
-        raise ValueError(f"key={key!r} has no interval; choose one of {', '.join(INTERVAL_KEYS)}")
+    if key not in RATIO_KEYS:
+        raise ValueError(f"key={key!r} is not a figure of the step time; choose one of {', '.join(RATIO_KEYS)}")
     if paired is None:
         paired = bool(a.rounds) and [r.get("round") for r in a.rounds] == [r.get("round") for r in b.rounds]
     blocks = [rounds_blocks(r.rounds or [{"step_times": r.step_times}]) for r in (a, b)]

@@ -46,6 +46,11 @@ def cli_env(root: Path) -> dict[str, str]:
     return env
 
 
+# The whole image as it is, no random crop, flip or border cut: for tests that tell samples apart by their
+# pixels (parquet data is otherwise cropped as ImageNet training does: rayvit.data.images).
+WHOLE_IMAGES = ("data.crop_scale=[1, 1]", "data.crop_ratio=[1, 1]", "data.hflip=0", "data.crop_pct=1")
+
+
 # -- MLflow records -------------------------------------------------------------------------------
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -116,6 +121,46 @@ def export_digits_parquet(root: Path) -> Path:
     assert code == 0, printed.getvalue()
     assert "wrote 1797 images of 10 classes to 4 shard(s)" in printed.getvalue()
     return root / "parquet"
+
+
+def export_photos_parquet(root: Path, per_class: int = 8, bad: bool = False, rows_per_shard: int = 100) -> Path:
+    """The sample photographs (rayvit.data.photos, 8 classes) as parquet through the to_parquet CLI; with
+    ``bad``, the odd images a real dataset holds added to the first class (:func:`write_odd_images`)."""
+    import contextlib
+    import io
+
+    from rayvit.data.photos import make_photos
+    from rayvit.data.to_parquet import main as to_parquet
+
+    folder = make_photos(root / "photos", per_class=per_class)
+    if bad:
+        write_odd_images(folder / "astronaut")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert to_parquet([str(folder), str(root / "parquet"), "--rows-per-shard", str(rows_per_shard)]) == 0
+    return root / "parquet"
+
+
+ODD_IMAGES = ("grey.jpg", "cmyk.jpg", "rgba.png", "tiny.jpg", "truncated.jpg")
+
+
+def write_odd_images(folder: Path) -> None:
+    """A greyscale and a CMYK JPEG, an RGBA PNG among the JPEGs, a 20x15 JPEG (smaller than any crop) and a
+    JPEG cut off after its first kilobyte (corrupt), each from a photograph."""
+    from PIL import Image
+
+    from rayvit.data.photos import source_photographs
+
+    photo = Image.fromarray(source_photographs()["chelsea"]).resize((300, 200))
+    photo.convert("L").save(folder / "grey.jpg", quality=90)
+    photo.convert("CMYK").save(folder / "cmyk.jpg", quality=90)
+    rgba = photo.convert("RGBA")
+    rgba.putalpha(128)
+    rgba.save(folder / "rgba.png")
+    photo.resize((20, 15)).save(folder / "tiny.jpg", quality=90)
+    whole = folder / "whole.jpg"
+    photo.save(whole, quality=95)
+    (folder / "truncated.jpg").write_bytes(whole.read_bytes()[:1024])
+    whole.unlink()
 
 
 # -- projection -----------------------------------------------------------------------------------

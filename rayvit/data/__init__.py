@@ -1,81 +1,31 @@
 """Input data for the training loop: synthetic, scikit-learn digits, or parquet (with or without Ray).
 
 :func:`build_data` is the one entry point. Every batch is ``(images, labels)``: float32
-``(B, 3, S, S)`` normalised images and int64 ``(B,)`` labels, already on the requested device. Ray is
-imported only by the functions that use it (``rayvit.data.parquet.ray_datasets`` and Ray shards).
+``(B, 3, S, S)`` normalised images and int64 ``(B,)`` labels, already on the requested device. Parquet
+images are decoded and cropped as ImageNet training does (:mod:`rayvit.data.images`). Ray is imported
+only by the functions that use it (``rayvit.data.parquet.ray_datasets`` and Ray shards); torch only by
+the modules that need it (:mod:`rayvit.data.schema` checks a Ray Dataset's columns without it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
-
-import torch
-
-from rayvit.config import Config, ConfigError
-from rayvit.data import batching, digits, parquet, synthetic
-from rayvit.data.parquet import ray_datasets, with_absolute_paths
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import pyarrow.fs
+    from rayvit.data.build import Data, build_data
+    from rayvit.data.parquet import decode_dataset, ray_datasets, with_absolute_paths
 
-__all__ = ["Data", "build_data", "ray_datasets", "with_absolute_paths"]
+__all__ = ["Data", "build_data", "decode_dataset", "ray_datasets", "with_absolute_paths"]
 
-
-@dataclass
-class Data:
-    """What the training loop consumes."""
-
-    train: Iterator[tuple[torch.Tensor, torch.Tensor]]  # infinite; cycles epochs
-    # This rank's share of the validation split (one pass per call); None when there is none.
-    val_batches: Optional[Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]]
-    num_train: int      # size of the whole train split (all ranks)
-    num_val: int
-    num_classes: int    # classes present in the data
+# Loaded when first used, so that the torch-free parts of this package (rayvit.data.schema, .photos)
+# import without torch.
+_WHERE = {"Data": "build", "build_data": "build", "decode_dataset": "parquet", "ray_datasets": "parquet",
+          "with_absolute_paths": "parquet"}
 
 
-def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: int = 1,
-               dataset_shards: Optional[dict] = None,
-               filesystem: Optional["pyarrow.fs.FileSystem"] = None) -> Data:
-    """Build this rank's data for ``cfg.data``.
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
 
-    With ``dataset_shards`` (``{"train": DataIterator, "val": DataIterator or None}`` from
-    ``ray.train.get_dataset_shard`` over :func:`ray_datasets`), batches come from the Ray shards, and
-    sizes and class count from the datasets' DataContext (the files are read only for datasets built
-    elsewhere; then ``cfg.data.path`` must be absolute or a URI, see :func:`with_absolute_paths`).
-    ``filesystem``: a ``pyarrow.fs.FileSystem`` that parquet data paths lie in (default: the local
-    filesystem, or the one a URI names).
-    """
-    device = torch.device(device)
-    d, t = cfg.data, cfg.train
-    if dataset_shards and dataset_shards.get("train") is not None:
-        if d.name != "parquet":
-            raise ConfigError(f"dataset_shards were given but data.name={d.name}; Ray Data input needs "
-                              "data.name=parquet")
-        info = parquet.shard_info(dataset_shards["train"], cfg)
-        val_shard = dataset_shards.get("val")
-        return Data(
-            train=parquet.shard_train_batches(dataset_shards["train"], cfg, device, rank, world_size),
-            val_batches=parquet.shard_val_batches(val_shard, cfg, device) if val_shard is not None else None,
-            num_train=info.num_train, num_val=info.num_val, num_classes=info.num_classes)
-
-    if d.name == "synthetic":
-        batches = synthetic.synthetic_batches(cfg, device, rank)
-        return Data(train=synthetic.synthetic_train(batches), val_batches=None,
-                    num_train=len(batches) * t.batch_size * world_size, num_val=0,
-                    num_classes=cfg.model.num_classes)
-
-    if d.name == "digits":
-        train, val = digits.digits_tensors(d.val_fraction, t.seed, device)
-        num_classes = int(torch.cat([train[1], val[1]]).max()) + 1
-        batching.check_num_classes(num_classes, cfg.model.num_classes, "data.name=digits")
-        transform = digits.upsampler(cfg.model.image_size)
-    else:
-        train, val, num_classes = parquet.load_split(cfg, device, filesystem)
-        transform = batching.uint8_normaliser(device)
-
-    return Data(
-        train=batching.train_batches(*train, transform, t.batch_size, t.seed, rank, world_size),
-        val_batches=(batching.val_batches(*val, transform, t.batch_size, rank, world_size)
-                     if len(val[1]) else None),
-        num_train=len(train[1]), num_val=len(val[1]), num_classes=num_classes)
+        return getattr(importlib.import_module(f"rayvit.data.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'rayvit.data' has no attribute {name!r}")

@@ -1,17 +1,17 @@
 """Parquet image datasets: encoded image bytes plus an integer label per row.
 
-Two readers share one decoder: :func:`load_split` (pyarrow + PIL in this process, for single-process
-runs and benchmarks) and :func:`ray_datasets` (Ray Data, decoding in parallel tasks, for distributed
-runs). Ray is imported only inside the functions that need it.
+Two readers share one decoder and its transforms (:mod:`rayvit.data.images`): :func:`load_split`
+(pyarrow in this process, images decoded as batches are drawn: :mod:`rayvit.data.pipeline`) and
+:func:`ray_datasets` (Ray Data, decoding in parallel tasks, for distributed runs). Ray is imported only
+inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
@@ -22,8 +22,10 @@ import pyarrow.parquet as pq
 import torch
 
 from rayvit.config import Config, ConfigError
-from rayvit.data.batching import (Batch, Transform, check_num_classes, seeded_split, split_sizes,
-                                  uint8_normaliser)
+from rayvit.data.batching import Batch, check_num_classes, seeded_split, split_sizes, uint8_normaliser
+from rayvit.data.images import CorruptImageError, ImageTransform, transform_batch
+from rayvit.data.pipeline import EncodedSplit, Skipped
+from rayvit.data.rows import RowPlaces, find_row
 
 if TYPE_CHECKING:
     import ray.data
@@ -185,65 +187,39 @@ def parquet_info(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> P
 
 
 # --------------------------------------------------------------------------------------------------
-# Decoding
+# Without Ray: pyarrow in this process, images decoded as batches are drawn (rayvit.data.pipeline)
 
 
-def decode_image(data: bytes, image_size: int) -> np.ndarray:
-    """Encoded PNG/JPEG bytes -> uint8 (3, S, S): RGB, resized (bilinear) to a square."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as img:
-        # JPEG can decode straight to a smaller scale (DCT scaling), much cheaper than a full decode.
-        img.draft("RGB", (image_size, image_size))
-        img = img.convert("RGB")
-        if img.size != (image_size, image_size):
-            img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
-        return np.asarray(img).transpose(2, 0, 1)
+def read_split(path: str, cfg: Config, key: str, filesystem: Optional[pafs.FileSystem] = None) -> EncodedSplit:
+    """A split's encoded images and labels (on the CPU), each row named by its file, row and row group."""
+    d = cfg.data
+    source = parquet_files(path, key, filesystem)
+    table = read_table(path, cfg, key, filesystem=filesystem)
+    places = _read(source, "the footers", lambda f: RowPlaces.of(source.files, source.filesystem), source.files[0])
+    labels = torch.from_numpy(_labels(table, d.label_column, key))
+    return EncodedSplit(table.column(d.image_column).to_pylist(), labels, places.describe)
 
 
-def decode_images(encoded: list[bytes], image_size: int, threads: int = 0) -> np.ndarray:
-    """Decode many images to uint8 (N, 3, S, S); PIL releases the GIL, so threads run in parallel."""
-    out = np.empty((len(encoded), 3, image_size, image_size), dtype=np.uint8)
-    threads = threads or min(8, os.cpu_count() or 1)
+def load_split(cfg: Config, device: torch.device, filesystem: Optional[pafs.FileSystem] = None,
+               skip: Optional[Skipped] = None) -> tuple[EncodedSplit, tuple[torch.Tensor, torch.Tensor], int]:
+    """The train split, encoded (decoded batch by batch as training draws it), the validation split
+    decoded once under the validation transform (uint8 (N, 3, S, S) and int64 labels on ``device``:
+    about 150 kB per image at 224 px), and the class count.
 
-    def work(i: int) -> None:
-        out[i] = decode_image(encoded[i], image_size)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, range(len(encoded))))
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Without Ray: pyarrow + PIL in this process
-
-
-def load_split(cfg: Config, device: torch.device, filesystem: Optional[pafs.FileSystem] = None):
-    """Decoded train/val splits as uint8 (N, 3, S, S) images and int64 labels on ``device``.
-
-    Every image is decoded once, up front, and held as uint8 (N x 3 x S x S bytes; about 150 kB per
-    image at 224 px) so that steps pay only a gather and a normalisation. For datasets that do not fit,
-    use the Ray Data path. ``filesystem``: see :func:`parquet_files`. Returns
-    ``((train_x, train_y), val_or_None, num_classes)``.
+    Every row is held in memory (the train split as its encoded bytes): for datasets that do not fit,
+    use the Ray Data path. ``filesystem``: see :func:`parquet_files`; ``skip``: drop corrupt images
+    (``data.skip_corrupt``), else a corrupt validation image raises ``CorruptImageError``.
     """
-    d, size = cfg.data, cfg.model.image_size
-
-    def load(path: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        table = read_table(path, cfg, key, filesystem=filesystem)
-        labels = _labels(table, d.label_column, key)
-        images = decode_images(table.column(d.image_column).to_pylist(), size)
-        return torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
-
+    d = cfg.data
     info = parquet_info(cfg, filesystem)
-    train = load(d.path, "data.path")
+    train = read_split(d.path, cfg, "data.path", filesystem)
     if d.val_path:
-        val = load(d.val_path, "data.val_path")
+        val = read_split(d.val_path, cfg, "data.val_path", filesystem)
     else:
-        train_idx, val_idx = seeded_split(len(train[1]), d.val_fraction, cfg.train.seed)
-        x, y = train
-        train_idx, val_idx = train_idx.to(device), val_idx.to(device)
-        train, val = (x[train_idx], y[train_idx]), (x[val_idx], y[val_idx])
-    return train, val, info.num_classes
+        train_idx, val_idx = seeded_split(len(train.labels), d.val_fraction, cfg.train.seed)
+        train, val = train.subset(train_idx), train.subset(val_idx)
+    x, y = val.decode(ImageTransform.of(cfg, train=False), cfg.parallel.cpus_per_worker, skip)
+    return train, (x.to(device), y.to(device)), info.num_classes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,35 +235,55 @@ def with_absolute_paths(cfg: Config) -> Config:
     return cfg.replace(overrides) if overrides else cfg
 
 
-def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column: str,
-                  image_size: int) -> dict[str, np.ndarray]:
-    """Ray Data map_batches body: encoded bytes -> fixed-shape uint8 (N, 3, S, S) + int64 labels."""
-    return {"image": decode_images(list(batch[image_column]), image_size, threads=1),
-            "label": np.asarray(batch[label_column], dtype=np.int64)}
+def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column: str, spec: ImageTransform,
+                  skip_corrupt: bool, filesystem: pafs.FileSystem) -> dict[str, np.ndarray]:
+    """Ray Data map_batches body: encoded bytes -> uint8 (N, 3, S, S) crops + int64 labels.
+
+    Crops come from fresh entropy in every task (a new crop of each image every epoch; not
+    reproducible run to run, unlike the path without Ray). A corrupt image raises CorruptImageError
+    naming its file and row, or, with ``skip_corrupt``, is marked in a ``corrupt`` column (its reason;
+    empty for good rows) for the worker to drop and count.
+    """
+    encoded = list(batch[image_column])
+    paths = batch.get("path")
+
+    def where(i: int) -> str:
+        return find_row(filesystem, str(paths[i]), image_column, encoded[i]) if paths is not None else "a row"
+
+    rng = random.Random()
+    images, errors = transform_batch(encoded, spec, [rng] * len(encoded), where)
+    out = {image_column: images, label_column: np.asarray(batch[label_column], dtype=np.int64)}
+    if skip_corrupt:
+        out["corrupt"] = np.array([e or "" for e in errors], dtype=object)
+    else:
+        Skipped.check(errors, None)
+    return out
 
 
 def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> dict[str, "ray.data.Dataset"]:
     """Ray Datasets for ``TorchTrainer(datasets=...)``: ``"train"``, and ``"val"`` when there is one.
 
-    Rows come out decoded and resized as uint8 ``image`` (3, S, S) and int64 ``label``; normalisation
-    to float32 happens on the worker's device in :func:`shard_train_batches` (4x less data through the
-    object store and host-to-device copies than float32). Data paths are local paths or URIs that
-    ``pyarrow.fs`` opens (``s3://``, ``gs://``, ``hdfs://``, ``file://``), or paths inside ``filesystem``;
-    they are resolved here, on the driver, to a filesystem and a list of files that the read tasks use
-    as they are (local paths absolute: Train workers run in another directory). Missing files, columns,
-    credentials or too many classes are reported here, before any worker starts.
+    Rows come out as uint8 images (3, S, S) (the training or validation crop of
+    :mod:`rayvit.data.images`) and int64 labels, in the columns ``data.image_column`` and
+    ``data.label_column`` (:func:`decode_dataset`); normalisation to float32 happens on the worker's
+    device in :func:`shard_train_batches` (4x less data through the object store and host-to-device
+    copies than float32). Data paths are local paths or URIs that ``pyarrow.fs`` opens (``s3://``,
+    ``gs://``, ``hdfs://``, ``file://``), or paths inside ``filesystem``; they are resolved here, on the
+    driver, to a filesystem and a list of files that the read tasks use as they are (local paths
+    absolute: Train workers run in another directory). Missing files, columns, credentials or too many
+    classes are reported here, before any worker starts.
     """
     import ray.data
     from ray.data import FileShuffleConfig
 
     d = cfg.data
     info = parquet_info(cfg, filesystem)  # fails fast on missing files, columns or too many classes
-    decode = dict(fn_kwargs=dict(image_column=d.image_column, label_column=d.label_column,
-                                 image_size=cfg.model.image_size), batch_format="numpy")
+    sources = {}
 
     def read(path: str, key: str, **kwargs: Any) -> "ray.data.Dataset":
-        source = parquet_files(path, key, filesystem)
-        return ray.data.read_parquet(source.files, filesystem=source.filesystem,
+        source = sources[key] = parquet_files(path, key, filesystem)
+        # include_paths: each row's file, so that a corrupt image can be named by file and row.
+        return ray.data.read_parquet(source.files, filesystem=source.filesystem, include_paths=True,
                                      columns=[d.image_column, d.label_column], **kwargs)
 
     if d.val_path:
@@ -299,8 +295,10 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
         # that have no validation split of their own).
         train, val = read(d.path, "data.path").train_test_split(
             test_size=d.val_fraction, shuffle=True, seed=cfg.train.seed)
-    datasets = {"train": train.map_batches(_decode_batch, **decode),
-                "val": val.map_batches(_decode_batch, **decode)}
+
+    val_key = "data.val_path" if d.val_path else "data.path"
+    datasets = {"train": decode_dataset(train, cfg, True, sources["data.path"].filesystem),
+                "val": decode_dataset(val, cfg, False, sources[val_key].filesystem)}
     for ds in datasets.values():
         # Workers learn sizes and class count from the shard's DataContext, so they never need to reach
         # the files themselves (which may sit on another node).
@@ -308,23 +306,45 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
     return datasets
 
 
-def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0,
-                        world_size: int = 1) -> Iterator[Batch]:
+def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
+                   filesystem: Optional[pafs.FileSystem] = None) -> "ray.data.Dataset":
+    """A Ray Dataset of encoded images (``data.image_column``: bytes, ``data.label_column``: integers) as
+    rayvit trains on it: each row's training (``training``) or validation crop, uint8 (3, S, S), in the same
+    columns. A ``path`` column (``read_parquet(include_paths=True)``) and the ``filesystem`` it lies in let
+    a corrupt image be named by file and row. Under ``data.decode=gpu`` training rows are only planned
+    here and decoded on the worker's GPU (:mod:`rayvit.data.gpu_decode`)."""
+    d = cfg.data
+    if d.decode == "gpu" and training:
+        from rayvit.data.gpu_decode import plan_batch
+
+        return dataset.map_batches(plan_batch, batch_format="numpy", fn_kwargs=dict(
+            image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, True)))
+    return dataset.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=dict(
+        image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
+        skip_corrupt=d.skip_corrupt, filesystem=filesystem or pafs.LocalFileSystem()))
+
+
+def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
+                        skip: Optional[Skipped] = None) -> Iterator[Batch]:
     """Endless train batches from a Ray ``DataIterator`` (one pass per epoch; incomplete batches dropped).
 
     Ray Train splits the dataset disjointly across workers; a local shuffle buffer, seeded per epoch and
-    rank, reorders rows differently every epoch.
+    rank, reorders rows differently every epoch; ``data.prefetch_batches`` batches are fetched ahead.
+    Rows marked corrupt (``data.skip_corrupt``) are dropped and counted in ``skip``; their places in the
+    batch go to the batch's other rows, so every rank keeps the same steps per epoch (Ray Data's equal
+    split releases the next epoch to all ranks at once: a rank with one batch fewer would wait there
+    while the others wait for it in the step's collective).
     """
     normalise = uint8_normaliser(device)
     batch_size = cfg.train.batch_size
+    decode = _device_decoder(cfg, device)
     epoch = 0
     while True:
         steps = 0
-        for batch in shard.iter_torch_batches(
-                batch_size=batch_size, drop_last=True, device="cpu",
-                local_shuffle_buffer_size=max(1024, 4 * batch_size),
-                local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
-            yield _to_device(batch, normalise, device)
+        for batch in _batches(shard, cfg, device, drop_last=True, local_shuffle_buffer_size=max(1024, 4 * batch_size),
+                              local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
+            images, labels = _refilled(*_kept(decode(batch), cfg, skip), batch_size)
+            yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
             steps += 1
         if steps == 0:
             raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
@@ -332,18 +352,82 @@ def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int
         epoch += 1
 
 
-def shard_val_batches(shard: Any, cfg: Config, device: torch.device):
+def shard_val_batches(shard: Any, cfg: Config, device: torch.device, skip: Optional[Skipped] = None):
     """A callable that yields one pass over a Ray validation shard (incomplete last batch kept)."""
     normalise = uint8_normaliser(device)
 
     def batches() -> Iterator[Batch]:
-        for batch in shard.iter_torch_batches(batch_size=cfg.train.batch_size, drop_last=False,
-                                              device="cpu"):
-            yield _to_device(batch, normalise, device)
+        for batch in _batches(shard, cfg, device, drop_last=False):
+            images, labels = _kept(batch, cfg, skip)
+            yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
 
     return batches
 
 
-def _to_device(batch: dict[str, torch.Tensor], normalise: Transform, device: torch.device) -> Batch:
-    images = batch["image"].to(device, non_blocking=True)
-    return normalise(images), batch["label"].to(device=device, dtype=torch.int64, non_blocking=True)
+def _batches(shard: Any, cfg: Config, device: torch.device, **kwargs: Any) -> Iterator[dict[str, Any]]:
+    """numpy batches of the shard as torch tensors (pinned on CUDA), with a corrupt image's error as the
+    driver should read it: one line naming the file, the row and the reason (Ray Data wraps it)."""
+    pin = device.type == "cuda"
+    try:
+        for batch in shard.iter_batches(batch_size=cfg.train.batch_size, batch_format="numpy",
+                                        prefetch_batches=cfg.data.prefetch_batches, **kwargs):
+            # Arrow-backed columns arrive read-only, which torch refuses to wrap: those are copied.
+            out = {k: v if v.dtype == object else torch.from_numpy(v if v.flags.writeable else v.copy())
+                   for k, v in batch.items()}
+            if pin:
+                out = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+            yield out
+    except Exception as e:  # noqa: BLE001 - only a corrupt image's error is rewritten; the rest re-raised
+        corrupt = corrupt_cause(e)
+        if corrupt is None:
+            raise
+        raise CorruptImageError(corrupt) from None
+
+
+def corrupt_cause(error: BaseException) -> Optional[str]:
+    """The one-line message of a CorruptImageError inside Ray's wrappers of ``error``, if there is one."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        for line in reversed(str(e).splitlines()):
+            if CorruptImageError.__name__ + ": " in line:
+                return line.split(CorruptImageError.__name__ + ": ", 1)[1].strip()
+        if isinstance(e, CorruptImageError):
+            return str(e).strip().splitlines()[-1]
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
+def _kept(batch: dict[str, Any], cfg: Config, skip: Optional[Skipped]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images, labels) of a batch, less the rows marked corrupt (each counted in ``skip``)."""
+    images, labels = batch[cfg.data.image_column], batch[cfg.data.label_column].to(torch.int64)
+    corrupt = batch.get("corrupt")
+    if corrupt is None or skip is None:
+        return images, labels
+    keep = Skipped.check([str(c) or None for c in corrupt], skip)
+    return (images, labels) if keep is None else (images[keep], labels[keep])
+
+
+def _refilled(images: torch.Tensor, labels: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch that lost rows, back to ``batch_size`` by repeating its own first rows."""
+    if len(labels) == batch_size:
+        return images, labels
+    if len(labels) == 0:
+        raise CorruptImageError(f"every image of a batch of {batch_size} was corrupt (each named in a warning); "
+                                "the data cannot be trained on")
+    repeat = torch.arange(batch_size, device=labels.device) % len(labels)
+    return images[repeat], labels[repeat]
+
+
+def _device_decoder(cfg: Config, device: torch.device) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """``data.decode=gpu``: encoded bytes and crop plans -> uint8 crops on the device; else nothing to do."""
+    if cfg.data.decode != "gpu":
+        return lambda batch: batch
+    from rayvit.data.gpu_decode import decode_planned
+
+    return lambda batch: decode_planned(batch, cfg.model.image_size, device, cfg.data.image_column,
+                                        cfg.data.label_column)

@@ -31,6 +31,8 @@ fail here is never reported as passed):
                peak allocated <= reserved memory, per rank and as the run's figures
   profile      the hardware profile the in-sweep projection picks for this GPU (its name and memory
                size): a GPU profile, never the CPU one, holding the device's memory
+  decode       data.decode=gpu: nvJPEG (torchvision.io.decode_jpeg, batched) crops of the sample
+               photographs match the CPU decoder's (N/A without torchvision), with both paths' rates
 Then the ladder (rayvit.studies.plan.plan_ladder) at world size 1: baseline (DDP, amp or fp32, token
 classifier, batch-first, loop AdamW, 224 px) -> +mixed precision -> +FSDP -> +MTA optimizer ->
 +pooled classifier -> +batch-second -> +256 px -> +full half precision, with per-chip TFLOPS, MFU
@@ -60,6 +62,7 @@ STUDY_RATIOS = {"batch_second": 1.51, "image_256": 1.86, "full_half": 2.18}
 from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check_fairscale_weight_decay,  # noqa: E402,F401
                                     check_flash, check_layer_norm_fp32, check_nccl, check_nvml_sampler,
                                     check_profile, check_reduce_dtype, check_training)
+from rayvit.gpu_check.cases import check_gpu_decode  # noqa: E402
 from rayvit.gpu_check.cases import _one_line  # noqa: E402
 from rayvit.gpu_check.ladder import _free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
 
@@ -155,6 +158,7 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
     checks.append(("flash attention (SDPA)", partial(check_flash, device)))
     checks.append(("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)))
     checks.append(("projection hardware profile", partial(check_profile, device)))
+    checks.append(("data.decode=gpu (nvJPEG crops)", partial(check_gpu_decode, device)))
     for mode in ("fp32", "amp", "mixed", "pure"):
         checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
     if compile_:

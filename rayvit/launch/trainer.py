@@ -454,4 +454,5 @@ def _root_cause(error: BaseException) -> str:
     while seen.__cause__ is not None:
         seen = seen.__cause__
     text = str(seen).strip() or type(seen).__name__
-    return text.splitlines()[-1] if len(text) > 2000 else text
+    # Ray Train's WorkerGroupError holds each rank's traceback; its last line is the worker's exception.
+    return text.splitlines()[-1] if len(text) > 2000 or "Traceback (most recent call last)" in text else text

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rayvit.config import BASELINE, Config, ConfigError, Study, reduces_in_half
-from rayvit.projection import report
+from rayvit.projection import inputs, report
 from rayvit.projection.performance import Projection, compute_from_peak, project_grid
 from rayvit.projection.profiles import get_profile
 from rayvit.projection.rates import load_rate
@@ -36,9 +36,12 @@ def conditions(cfg: Config, profile_name: str) -> list[dict]:
 
 
 def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None, measured: Optional[str] = None,
-        out_dir: str = "results", out: Callable[[str], None] = print) -> list[Projection]:
-    """Print the projection of the study's sweep on each hardware profile and write one PNG per profile."""
+        out_dir: str = "results", out: Callable[[str], None] = print, data_rate: Optional[str] = None,
+        node_cpus: Optional[float] = None) -> list[Projection]:
+    """Print the projection of the study's sweep on each hardware profile and write one PNG per profile;
+    with ``data_rate`` (:func:`rayvit.projection.inputs.load_rate`) also whether the input keeps up."""
     cfg = study.run
+    input_rate = inputs.load_rate(data_rate, cfg.model.image_size) if data_rate else None
     chips = sorted(set(chips or study.sweep.worker_counts))
     everything = []
     for name in hardware:
@@ -55,6 +58,10 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         out(report.format_table(points))
         out("")
         out(report.memory_table([q for q in points if q.chips == chips[-1]]))
+        if input_rate is not None:
+            out("")
+            out(inputs.input_table(points, input_rate, node_cpus or inputs.node_cpus(profile.name),
+                                   profile.chips_per_node, cfg.parallel.cpus_per_worker))
         path = Path(out_dir) / f"projection-{m.name}-{profile.name}.png"
         report.projection_figure(points, path, title=f"Projected per-chip TFLOPS: {m.name} on {profile.name}",
                                  caption_rows=conditions(cfg, profile.name))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayvit.config import BASELINE
-from rayvit.formats import positive as _finite
+from rayvit.formats import fmt, positive as _finite
 from rayvit.projection import performance
 from rayvit.projection.profiles import HardwareProfile, cpu_profile, profile_for_accelerator, with_measured_links
 
@@ -143,9 +143,18 @@ def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] =
                                              "projection_flagged": float(flagged)},
                             step=outcome.point.world_size)
     if flagged and short:
-        where = ("Look for a slow or misconfigured network (NCCL falling back to TCP sockets, EFA/InfiniBand not "
-                 "in use), throttled or shared chips, or a data-loading stall." if proj.chips > 1 else
-                 "One chip has no communication: a slow chip or a data-loading stall.")
+        from rayvit.projection.inputs import measured_note
+
+        waited = measured_note(m)
+        if waited:
+            where = (f"The cause was measured: it was {waited}. Give Ray Data more CPUs beside the workers, or "
+                     "measure the pipeline's rate with `rayvit bench-data` and project with --data-rate.")
+        else:
+            where = ("Look for a slow or misconfigured network (NCCL falling back to TCP sockets, EFA/InfiniBand "
+                     "not in use), or throttled or shared chips (the input was not the cause: it waited "
+                     f"{fmt(m.get('data_wait_fraction'), '.1%')} of the step)." if proj.chips > 1 else
+                     "One chip has no communication: a slow or shared chip (the input was not the cause: it waited "
+                     f"{fmt(m.get('data_wait_fraction'), '.1%')} of the step).")
         out(f"WARNING: {outcome.point.key} measured {measured:.4g} img/s/chip ({lo:.4g}-{hi:.4g}), "
             f"{1 - measured / projected:.0%} short of its projection {projected:.4g}, beyond its interval by more than "
             f"{SHORTFALL:.0%} (projected step {proj.step_s * 1e3:.1f} ms: compute "

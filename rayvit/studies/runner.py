@@ -156,11 +156,24 @@ class Progress:
                      f"{with_interval(m, 'tflops_per_chip', '.4g')} TFLOPS/chip, "
                      f"{with_interval(m, 'images_per_sec_per_chip', '.1f')} img/s/chip"
                      + (f" (median of {rounds} rounds, 95% interval)" if rounds > 1 else ""))
+            for note in _data_notes(m):
+                self.out(f"{self.tag(p)} {p.key} {note}")
         elif outcome.status == "reused":
             self.out(f"{self.tag(p)} {p.key} already finished in run {outcome.run_id}: reused")
         else:
             self.out(f"{self.tag(p)} {p.key} {outcome.status.upper()}: "
                      f"{last_line(outcome.error or '') or 'no message'} (the study continues)")
+
+
+def _data_notes(metrics: Mapping[str, Any]) -> list[str]:
+    """What the console says about a point's input: input-bound (data_wait_fraction), corrupt images skipped."""
+    from rayvit.projection.inputs import measured_note
+
+    notes = [measured_note(metrics)]
+    skipped = metrics.get("skipped_images")
+    if skipped:
+        notes.append(f"skipped {skipped:.0f} corrupt image(s) (data.skip_corrupt=true; each named in a warning)")
+    return [n for n in notes if n]
 
 
 def with_interval(figures: Mapping[str, Any], key: str, spec: str, suffix: str = "") -> str:

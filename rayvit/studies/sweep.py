@@ -325,7 +325,8 @@ SCALING_COLUMNS: list[Column] = [
     ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
     ("MFU", cell("mfu", ".1%")), ("vs DDP (95% CI)", _interval("speedup_vs_ddp", ".2f", "x")),
     ("verdict", cell("verdict")), ("scaling eff.", cell("scaling_efficiency", ".0%")),
-    ("state MB/rank", cell("model_state_bytes_per_rank", ".1f", scale=2 ** 20)), ("rounds", cell("rounds", ".0f")),
+    ("state MB/rank", cell("model_state_bytes_per_rank", ".1f", scale=2 ** 20)),
+    ("data wait (95% CI)", _interval("data_wait_fraction", ".1%")), ("rounds", cell("rounds", ".0f")),
     ("time s", cell("seconds", ".0f")),
 ]
 LADDER_COLUMNS: list[Column] = [
@@ -334,7 +335,8 @@ LADDER_COLUMNS: list[Column] = [
     ("img/s/chip (95% CI)", _interval("images_per_sec_per_chip", ".1f")),
     ("TFLOPS/chip", cell("tflops_per_chip", ".4g")),
     ("MFU", cell("mfu", ".1%")), ("vs baseline (95% CI)", _interval("relative_throughput", ".2f", "x")),
-    ("verdict", cell("verdict")), ("rounds", cell("rounds", ".0f")),
+    ("verdict", cell("verdict")), ("data wait (95% CI)", _interval("data_wait_fraction", ".1%")),
+    ("rounds", cell("rounds", ".0f")),
 ]
 
 
@@ -359,6 +361,12 @@ def sweep_table(rows: list[dict[str, Any]], mode: str) -> str:
     text = format_table(rows, columns)
     if any(r.get("memory_measure") == "process_rss" for r in rows):
         text += "\npeak MB/rank on CPU: the worker process's peak resident set, Python and libraries included"
+    from rayvit.projection.inputs import INPUT_BOUND_FRACTION, input_bound
+
+    bound = [r["point"] for r in rows if r["status"] in ("done", "reused") and input_bound(r)]
+    if bound:
+        text += (f"\ninput-bound (waited more than {INPUT_BOUND_FRACTION:.0%} of their step time for data; their "
+                 f"throughput and epoch time are the input's): {', '.join(bound)}")
     return text
 
 

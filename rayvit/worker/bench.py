@@ -158,15 +158,20 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def ab_parser(prog: str, description: str, examples: str, config_help: str) -> argparse.ArgumentParser:
+    """The options every side-by-side timing command takes: overrides, --config, --compare, --rounds."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=examples,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    parser.add_argument("--config", help="YAML config file (defaults: a tiny ViT on CPU)")
+    parser.add_argument("--config", help=config_help)
     parser.add_argument("--compare", action="append", default=[], metavar="KEY=V1,V2",
                         help="variants to time side by side; repeat for several groups")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
+    parser = ab_parser(prog, __doc__, EXAMPLES, "YAML config file (defaults: a tiny ViT on CPU)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
     parser.add_argument("--json", help="also write the results to this JSON file")

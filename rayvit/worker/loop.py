@@ -91,6 +91,7 @@ class Session:
         self.history: list[dict] = []         # per step: step, loss, lr, step_time_s
         self.evals: list[dict] = []
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
+        self.data_wait_times: list[float] = []   # of those, the seconds each waited for its batch
         self.warmup_step_times: list[float] = []   # this attempt's warm-up steps (model.compile compiles there)
         self.steps_this_attempt = 0
         self.skipped_steps = 0
@@ -112,6 +113,9 @@ class Session:
         hardware.synchronize(self.device)
         start = time.perf_counter()
         images, labels = next(self.data.train)
+        # The wait for the batch, timed apart: the step's time still includes it (throughput is what the
+        # input allowed); data_wait_fraction says how much of it was input.
+        waited = time.perf_counter() - start
         # Forward in the precision's dtype; the loss itself in fp32.
         with self.precision.autocast():
             logits = self.forward(self.precision.cast_inputs(images))
@@ -128,10 +132,11 @@ class Session:
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
             self.step_times.append(elapsed)
+            self.data_wait_times.append(waited)
         else:
             self.warmup_step_times.append(elapsed)
-        self.history.append({"step": self.step, "loss": loss_value,
-                             "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed})
+        self.history.append({"step": self.step, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
+                             "step_time_s": elapsed, "data_wait_s": waited})
         self.step += 1
         if not math.isfinite(loss_value):
             raise DivergedError(f"loss is {loss_value} at step {self.step} "
@@ -248,6 +253,7 @@ class Session:
         """
         readings = self.sampler.stop() if self.sampler is not None else {}
         times = torch.tensor(self.step_times or [float("nan")], dtype=torch.float64)
+        waits = torch.tensor(self.data_wait_times or [float("nan")], dtype=torch.float64)
         stats = torch.tensor([times.sum().item(), float(self.model_state_bytes()), self.compile_time_s()],
                              dtype=torch.float64)
         reserved = hardware.peak_reserved_bytes(self.device)
@@ -255,20 +261,24 @@ class Session:
                 "peak_memory_reserved_bytes": math.nan if reserved is None else float(reserved),
                 "gpu_utilization_pct": readings.get(UTILIZATION, math.nan),
                 "gpu_power_w": readings.get(POWER, math.nan),
-                "gpu_samples": readings.get("samples", math.nan)}
+                "gpu_samples": readings.get("samples", math.nan),
+                "skipped_images": float(len(self.data.skipped)) if self.data.skipped is not None else math.nan}
         ranks = torch.tensor([list(mine.values())], dtype=torch.float64)
         if self.world_size > 1:
             # Step times and counts are the same length on every rank; take the slowest per step.
             times_d, stats_d = times.to(self.device), stats.to(self.device)
+            waits_d = waits.to(self.device)
             dist.all_reduce(times_d, op=dist.ReduceOp.MAX)
+            dist.all_reduce(waits_d, op=dist.ReduceOp.MAX)
             dist.all_reduce(stats_d, op=dist.ReduceOp.MAX)
-            times, stats = times_d.cpu(), stats_d.cpu()
+            times, waits, stats = times_d.cpu(), waits_d.cpu(), stats_d.cpu()
             mine_d = ranks[0].to(self.device)
             gathered = [torch.empty_like(mine_d) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine_d)
             ranks = torch.stack(gathered).cpu()
         combined, per_rank = metrics.across_ranks(dict(zip(mine, ranks.t().tolist())))
         slowest = times.tolist() if self.step_times else []
+        waited = waits.tolist() if self.step_times else []     # each step's longest wait over ranks
         # The slowest rank's total time over the window sets the pace.
         per_chip = metrics.images_per_sec(self.cfg.train.batch_size, len(self.step_times), stats[0].item())
         global_rate = per_chip * self.world_size
@@ -282,6 +292,7 @@ class Session:
             "step_time_mean_s": self.cfg.train.batch_size / per_chip if per_chip > 0 else math.nan,
             **metrics.step_time_percentiles(slowest),
             "model_state_bytes_per_rank": stats[1].item(),
+            "data_wait_fraction": sum(waited) / sum(slowest) if slowest else math.nan,
             **combined,
             "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
             "epoch_time_imagenet_h": IMAGENET_TRAIN_IMAGES / global_rate / 3600,
@@ -296,7 +307,8 @@ class Session:
             figures["compile_time_s"] = stats[2].item()      # the slowest rank's
         return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
                          history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
-                         restarts=self.restarts, per_rank=per_rank, step_times=slowest)
+                         restarts=self.restarts, per_rank=per_rank, step_times=slowest,
+                         data_wait_times=waited)
 
     def conditions(self, peak_source: str) -> dict[str, Any]:
         """What every figure of this run is stated with."""
@@ -352,6 +364,7 @@ class Session:
         """
         if self.sampler is not None:
             self.sampler.stop()
+        self.data.close()
         self.forward = self.model = self.optimizer = None
         if self.owns_process_group and dist.is_initialized():
             gc.collect()

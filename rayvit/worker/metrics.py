@@ -49,11 +49,13 @@ PER_RANK_FIGURES: dict[str, tuple[tuple[str, str], ...]] = {
     "gpu_utilization_pct": (("gpu_utilization_pct", "mean"), ("gpu_utilization_pct_max", "max")),
     "gpu_power_w": (("gpu_power_w", "mean"), ("gpu_power_w_max", "max")),
     "gpu_samples": (("gpu_samples", "min"),),
+    # data.skip_corrupt only: corrupt images each rank dropped (distinct per rank), summed over ranks.
+    "skipped_images": (("skipped_images", "sum"),),
 }
 # Of those, the ones whose per-rank lists a run keeps (RunResult.per_rank).
 PER_RANK_LISTS = ("peak_memory_bytes", "peak_memory_reserved_bytes", "gpu_utilization_pct", "gpu_power_w")
 
-_COMBINE = {"max": max, "min": min, "mean": lambda v: sum(v) / len(v)}
+_COMBINE = {"max": max, "min": min, "mean": lambda v: sum(v) / len(v), "sum": sum}
 
 
 def across_ranks(per_rank: Mapping[str, Sequence[float]]) -> tuple[dict[str, float], dict[str, list[Optional[float]]]]:

@@ -11,7 +11,7 @@ import torch
 
 from rayvit.data import build_data, ray_datasets
 
-from shared import CPU, config, sample_key, take
+from shared import CPU, WHOLE_IMAGES, config, export_photos_parquet, sample_key, take
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def local_ray(shared_ray):
 
 
 def test_ray_data_path_feeds_build_data_from_shards(local_ray, digits_parquet):
-    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16")
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16", *WHOLE_IMAGES)
     datasets = ray_datasets(cfg)
     assert set(datasets) == {"train", "val"}
     rows = datasets["val"].take_batch(5, batch_format="numpy")
@@ -55,7 +55,7 @@ def test_ray_data_split_shards_are_disjoint_across_ranks(local_ray, digits_parqu
     """Two ranks reading a streaming split (as Ray Train hands them out) see disjoint train rows."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8")
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8", *WHOLE_IMAGES)
     shards = ray_datasets(cfg)["train"].streaming_split(2, equal=True)
     steps = (1437 // 2) // 16
 
@@ -71,3 +71,50 @@ def test_ray_data_split_shards_are_disjoint_across_ranks(local_ray, digits_parqu
         rank0, rank1 = pool.map(one_epoch, [0, 1])
     assert len(set(rank0)) == len(set(rank1)) == steps * 16
     assert not set(rank0) & set(rank1)
+
+
+def test_a_corrupt_image_through_ray_data_is_named_in_one_line_or_skipped_and_counted(local_ray, tmp_path):
+    """The photographs plus odd images (greyscale, CMYK, PNG, tiny: converted; one truncated JPEG)."""
+    from rayvit.data.images import CorruptImageError
+
+    path = export_photos_parquet(tmp_path, per_class=4, bad=True, rows_per_shard=1000)
+    base = ("data.name=parquet", f"data.path={path}", "model.image_size=32", "model.num_classes=8",
+            "train.batch_size=4", "data.val_fraction=0.1")
+    cfg = config(*base)
+    datasets = ray_datasets(cfg)
+    data = build_data(cfg, CPU, dataset_shards={"train": datasets["train"].iterator()})
+    with pytest.raises(CorruptImageError) as e:
+        take(data, 2 * data.num_train // 4)
+    message = str(e.value)
+    assert "\n" not in message and len(message) < 400, message
+    assert f"{path / 'part-00000.parquet'} row " in message and "(row group 0, index " in message
+    assert "OSError: image file is truncated" in message and "data.skip_corrupt=true" in message
+
+    skipping = config(*base, "data.skip_corrupt=true")
+    datasets = ray_datasets(skipping)
+    data = build_data(skipping, CPU, dataset_shards={"train": datasets["train"].iterator(),
+                                                     "val": datasets["val"].iterator()})
+    batches = take(data, 2 * (data.num_train - 1) // 4)
+    assert all(images.shape == (4, 3, 32, 32) for images, _ in batches)
+    val = sum(len(y) for _, y in data.val_batches())
+    assert len(data.skipped) == 1 and val in (data.num_val, data.num_val - 1)   # the corrupt row, wherever it fell
+    data.train.close()
+
+
+def test_dataset_columns_are_checked_on_the_driver(local_ray, digits_parquet):
+    """Encoded bytes and rayvit's decoded crops pass (naming which); other columns fail naming them."""
+    import ray.data
+
+    from rayvit.config import ConfigError
+    from rayvit.data.schema import check_dataset
+
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16")
+    assert check_dataset(ray.data.read_parquet(str(digits_parquet)), cfg) == "encoded"
+    assert check_dataset(ray_datasets(cfg)["val"], cfg, "val") == "decoded"
+    with pytest.raises(ConfigError, match=r"model.image_size=32"):
+        check_dataset(ray_datasets(cfg)["val"], config("model.image_size=32"), "val")
+    renamed = ray.data.from_items([{"pixels": np.zeros((3, 16, 16), np.uint8), "y": 1}])
+    with pytest.raises(ConfigError, match=r"datasets\['train'\] has no column 'image' \(columns: pixels .*, y "):
+        check_dataset(renamed, cfg)
+    ok = config("data.image_column=pixels", "data.label_column=y", "model.image_size=16")
+    assert check_dataset(renamed, ok) == "decoded"

@@ -384,6 +384,11 @@ def test_default_sweep_store(default_sweep, tmp_path):
         result = json.loads(Path(client.download_artifacts(c.info.run_id, "result.json", str(folder))).read_text())
         assert sorted(r["slot"] for r in result["rounds"]) == [0, 1, 2] and not result["links"]
         assert [len(r["step_times"]) for r in result["rounds"]] == [4, 4, 4]
+        # The wait for each batch, timed apart from the step, on every round and the run (synthetic data
+        # waits for next to nothing), in MLflow with its interval.
+        assert [len(r["data_wait_times"]) for r in result["rounds"]] == [4, 4, 4]
+        metrics = c.data.metrics
+        assert 0 <= metrics["data_wait_fraction_lo"] <= metrics["data_wait_fraction"] <= metrics["data_wait_fraction_hi"] < 0.05
     table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
     assert table.num_rows == 6
     rows = table.to_pylist()
@@ -400,6 +405,7 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert len(r["peak_memory_bytes_by_rank"]) == r["world_size"]
         assert r["peak_memory_bytes_per_rank"] == max(r["peak_memory_bytes_by_rank"]) > 50 * 2**20
         assert r["gpu_utilization_pct"] is None and r["memory_measure"] == "process_rss"
+        assert 0 <= r["data_wait_fraction"] < 0.05 and r["data_wait_fraction_hi"] is not None
     png = Path(client.download_artifacts(pid, "scaling.png", str(tmp_path)))
     assert png.read_bytes()[:4] == b"\x89PNG"
 

@@ -15,6 +15,7 @@ import torch
 from rayvit.config import ConfigError
 from rayvit.data import build_data, with_absolute_paths
 from rayvit.data.digits import load_digits_arrays
+from rayvit.data.images import ImageTransform
 from rayvit.data.parquet import class_names, load_split
 
 from shared import CPU, config, sample_key, take
@@ -119,9 +120,11 @@ def test_to_parquet_round_trip_keeps_images_and_labels(digits_parquet):
     images, labels = load_digits_arrays()
     label_of = {img.tobytes(): int(y) for img, y in zip(images, labels)}
 
-    # Read back through the pyarrow + PIL path at native size: pixels invert exactly to 0..16.
-    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8")
-    (train_x, train_y), (val_x, val_y), num_classes = load_split(cfg, CPU)
+    # Read back through the pyarrow path at native size, under the validation transform that keeps the
+    # whole square (crop_pct 1): pixels invert exactly to 0..16.
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=8", "data.crop_pct=1")
+    train, (val_x, val_y), num_classes = load_split(cfg, CPU)
+    train_x, train_y = train.decode(ImageTransform.of(cfg, train=False), threads=2)
     assert num_classes == 10 and len(train_y) == 1437 and len(val_y) == 360
     x = torch.cat([train_x, val_x])
     assert x.dtype == torch.uint8 and x.shape == (1797, 3, 8, 8)
@@ -216,9 +219,31 @@ def test_to_parquet_cli_errors_and_help(tmp_path, capsys):
 def test_importing_rayvit_data_does_not_import_ray():
     code = "import sys, rayvit.data; assert 'ray' not in sys.modules, 'ray was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    # The dataset check the driver runs, the sample photographs and the input projection: no torch either.
+    code = ("import sys, rayvit.data.schema, rayvit.data.photos, rayvit.projection.inputs; "
+            "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'torch or ray was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 # --------------------------------------------------------------------------------------------------
 # parquet through Ray Data
 
 
+
+
+def test_dataset_columns_are_named_when_they_are_not_images_and_labels():
+    """rayvit.data.schema, as the driver runs it on a user's Ray Dataset (its schema's names and types)."""
+    import pyarrow as pa
+
+    from rayvit.data.schema import check_columns
+
+    cfg = config("model.image_size=16")
+    assert check_columns(["image", "label", "path"], [pa.binary(), pa.int64(), pa.string()], cfg) == "encoded"
+    with pytest.raises(ConfigError, match=r"labels 'label' are string, not integers 0..C-1 \(columns: image "
+                                          r"\(binary\), label \(string\)\)"):
+        check_columns(["image", "label"], [pa.binary(), pa.string()], cfg)
+    with pytest.raises(ConfigError, match=r"image column 'image' is float .*uint8 images of shape \(3, 16, 16\)"):
+        check_columns(["image", "label"], [pa.float32(), pa.int64()], cfg)
+    with pytest.raises(ConfigError, match=r"has no column 'image' \(columns: img \(binary\), y \(int64\)\); .*"
+                                          r"data.image_column='image'"):
+        check_columns(["img", "y"], [pa.binary(), pa.int64()], cfg)

@@ -1,0 +1,74 @@
+"""Where a row of a parquet dataset lives: its file, its row in the file, its row group and its index there.
+
+A bad image is reported by place (``part-00003.parquet row 1207 (row group 1, index 207)``) so that a
+user can find it with any parquet reader. Without Ray, rows are read in file order and each row's place
+follows from the files' footers (:class:`RowPlaces`); through Ray Data a row carries only its file's
+path, and :func:`find_row` looks for its bytes in that file, once, when an image has failed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+
+def place(path: str, row: Optional[int], group: Optional[int] = None, index: Optional[int] = None) -> str:
+    """``path row R (row group G, index I)``; ``path`` alone when the row is unknown."""
+    if row is None:
+        return path
+    return f"{path} row {row}" + (f" (row group {group}, index {index})" if group is not None else "")
+
+
+@dataclass(frozen=True)
+class RowPlaces:
+    """The places of the rows of ``files`` read one after another (row ``i`` of the concatenation)."""
+
+    files: tuple[str, ...]
+    starts: tuple[int, ...]                 # first concatenated row of each file
+    groups: tuple[tuple[int, ...], ...]     # each file's row-group sizes
+
+    @classmethod
+    def of(cls, files: list[str], filesystem: pafs.FileSystem) -> "RowPlaces":
+        starts, groups, total = [], [], 0
+        for f in files:
+            meta = pq.read_metadata(f, filesystem=filesystem)
+            starts.append(total)
+            groups.append(tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups)))
+            total += meta.num_rows
+        return cls(tuple(files), tuple(starts), tuple(groups))
+
+    def describe(self, row: int) -> str:
+        k = bisect.bisect_right(self.starts, row) - 1
+        in_file = row - self.starts[k]
+        group, index = _group_of(self.groups[k], in_file)
+        return place(self.files[k], in_file, group, index)
+
+
+def _group_of(sizes: tuple[int, ...], row: int) -> tuple[int, int]:
+    for group, size in enumerate(sizes):
+        if row < size:
+            return group, row
+        row -= size
+    return len(sizes) - 1, row
+
+
+def find_row(filesystem: pafs.FileSystem, path: str, column: str, data: bytes) -> str:
+    """The place of the row of ``path`` whose ``column`` holds ``data`` (the first such row), read one row
+    group at a time; the path alone when the file cannot be read or holds no such row."""
+    try:
+        with filesystem.open_input_file(path) as handle:
+            reader = pq.ParquetFile(handle)
+            row = 0
+            for group in range(reader.num_row_groups):
+                values = reader.read_row_group(group, columns=[column]).column(0).to_pylist()
+                for index, value in enumerate(values):
+                    if value == data:
+                        return place(path, row + index, group, index)
+                row += len(values)
+    except (OSError, ValueError):
+        pass
+    return path

@@ -1,0 +1,144 @@
+"""Can a node's CPUs feed its chips? The input pipeline's capacity against the projected compute rate.
+
+Analytic (no torch). The input rate is measured, never assumed: ``rayvit bench-data`` times the training
+transform (decode, random resized crop, flip, uint8 batch) on one core over the user's own parquet files
+and writes ``images_per_sec_per_core``. Per projected point:
+
+- cores per chip needed = the point's images/s per chip / images/s per core;
+- cores per chip free for decoding = (the node's CPUs - chips per node x ``parallel.cpus_per_worker``,
+  which Ray reserves for the training workers) / chips per node; Ray Data's read and decode tasks run on
+  the rest;
+- the input's rate per chip = free cores x images/s per core; the point is input-bound when that is
+  below the compute rate, and ``epoch_time_imagenet_h`` is ImageNet-1K's 1,281,167 images at the slower
+  of the two, with the bound named.
+
+Measured runs say the same from the other side: ``data_wait_fraction`` above :data:`INPUT_BOUND_FRACTION`
+marks a point as input-bound (:func:`measured_note`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+from rayvit.formats import fmt, number
+from rayvit.results import IMAGENET_TRAIN_IMAGES
+
+# A point that waited for data longer than this share of its step time was input-bound.
+INPUT_BOUND_FRACTION = 0.05
+
+# vCPUs per node of the instances the GPU profiles describe (AWS's instance pages): p4d/p4de.24xlarge
+# (8 A100) 96; p5.48xlarge (8 H100) and p5e/p5en.48xlarge (8 H200) 192.
+NODE_CPUS = {"a100-40gb": 96, "a100-80gb": 96, "h100-sxm": 192, "h200": 192}
+
+
+def node_cpus(profile_name: str) -> Optional[float]:
+    """The profile's node's CPUs (:data:`NODE_CPUS`); on the cpu profile, this machine's."""
+    if profile_name == "cpu":
+        import os
+
+        return float(os.cpu_count() or 1)
+    return NODE_CPUS.get(profile_name)
+
+
+@dataclass(frozen=True)
+class InputRate:
+    """The training pipeline's measured rate on one CPU core, and what it was measured on."""
+
+    images_per_sec_per_core: float
+    image_size: int
+    source: str
+
+
+@dataclass(frozen=True)
+class InputVerdict:
+    """One projected point seen from its input: can the node's CPUs keep up, and the epoch it allows."""
+
+    compute_images_per_sec_per_chip: float
+    cores_needed_per_chip: float
+    cores_free_per_chip: float
+    input_images_per_sec_per_chip: float
+    chips: int
+
+    @property
+    def feeds(self) -> bool:
+        return self.input_images_per_sec_per_chip >= self.compute_images_per_sec_per_chip
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.feeds else "input"
+
+    @property
+    def epoch_time_imagenet_h(self) -> float:
+        rate = min(self.compute_images_per_sec_per_chip, self.input_images_per_sec_per_chip) * self.chips
+        return IMAGENET_TRAIN_IMAGES / rate / 3600 if rate > 0 else math.inf
+
+
+def cores_free_per_chip(node_cpus: float, chips_per_node: int, cpus_per_worker: float) -> float:
+    """The CPUs per chip left to Ray Data's tasks once every chip's training worker has its own."""
+    return max(0.0, (node_cpus - chips_per_node * cpus_per_worker) / chips_per_node)
+
+
+def verdict(images_per_sec_per_chip: float, chips: int, rate: InputRate, free_per_chip: float) -> InputVerdict:
+    return InputVerdict(images_per_sec_per_chip, images_per_sec_per_chip / rate.images_per_sec_per_core,
+                        free_per_chip, free_per_chip * rate.images_per_sec_per_core, chips)
+
+
+def load_rate(value: str, image_size: int) -> InputRate:
+    """``--data-rate``: a number (images/s per core) or ``rayvit bench-data --json``'s file, whose image size
+    must be the projected one (the crop's cost grows with it)."""
+    try:
+        return InputRate(float(value), image_size, "given on the command line")
+    except ValueError:
+        pass
+    from rayvit.config import ConfigError
+
+    try:
+        data = json.loads(Path(value).read_text())
+        measured = data["train"]["images_per_sec_per_core"]
+        size = int(data["image_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--data-rate {value}: not a number nor a `rayvit bench-data --json` file ({e})") from e
+    if size != image_size:
+        raise ConfigError(f"--data-rate {value} was measured at {size} px, but the projection is at {image_size} px: "
+                          f"rerun rayvit bench-data with model.image_size={image_size}")
+    return InputRate(float(measured), size, f"{value} (rayvit bench-data: {data.get('cpu', 'this CPU')})")
+
+
+def input_table(points: Iterable[Any], rate: InputRate, node_cpus: Optional[float], chips_per_node: int,
+                cpus_per_worker: float) -> str:
+    """Per projected point (``chips``, ``label``, ``images_per_sec_per_chip``): cores needed and free per
+    chip, whether the node feeds its chips, and the epoch time with its bound."""
+    free = cores_free_per_chip(node_cpus, chips_per_node, cpus_per_worker) if node_cpus else None
+    lines = [f"input: {rate.images_per_sec_per_core:.4g} images/s per core at {rate.image_size} px ({rate.source}); "
+             + (f"{node_cpus:g} CPUs per node, {chips_per_node} chips, {cpus_per_worker:g} reserved per training "
+                f"worker: {free:.3g} cores per chip decode" if free is not None else
+                "the node's CPUs are unknown: --node-cpus N says whether it feeds its chips"),
+             f"{'chips':>5}  {'strategy':<26} {'img/s/chip':>10} {'cores/chip needed':>17} {'feeds':>5}  "
+             f"{'epoch h (bound)':<18}"]
+    for p in points:
+        v = verdict(p.images_per_sec_per_chip, p.chips, rate, free if free is not None else math.inf)
+        feeds = "-" if free is None else ("yes" if v.feeds else "NO")
+        epoch = f"{v.epoch_time_imagenet_h:.3g} ({v.bound})" if free is not None else "-"
+        lines.append(f"{p.chips:>5}  {p.label:<26} {p.images_per_sec_per_chip:>10.4g} "
+                     f"{v.cores_needed_per_chip:>17.3g} {feeds:>5}  {epoch:<18}")
+    return "\n".join(lines)
+
+
+def input_bound(metrics: Mapping[str, Any]) -> bool:
+    """Whether a measured point waited for data longer than :data:`INPUT_BOUND_FRACTION` of its steps."""
+    wait = number(metrics.get("data_wait_fraction"))
+    return wait is not None and wait > INPUT_BOUND_FRACTION
+
+
+def measured_note(metrics: Mapping[str, Any]) -> Optional[str]:
+    """``input-bound: waited 12.0% (9.1%-15.2%) of its step time for data``, for an input-bound point."""
+    if not input_bound(metrics):
+        return None
+    lo, hi = number(metrics.get("data_wait_fraction_lo")), number(metrics.get("data_wait_fraction_hi"))
+    spread = f" ({fmt(lo, '.1%')}-{fmt(hi, '.1%')})" if lo is not None and hi is not None else ""
+    return (f"input-bound: waited {fmt(metrics['data_wait_fraction'], '.1%')}{spread} of its step time for data "
+            f"(more than {INPUT_BOUND_FRACTION:.0%}): its throughput and epoch time are the input's")
