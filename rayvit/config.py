@@ -135,8 +135,9 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    name: Literal["synthetic", "digits", "parquet"] = "synthetic"
-    # parquet: a file or folder of shards with image-bytes and label columns.
+    name: Literal["synthetic", "digits", "parquet", "dataset"] = "synthetic"
+    # parquet: a file or folder of shards with image-bytes and label columns. dataset: the Ray Datasets
+    # handed to rayvit.trainer.make_trainer(datasets=...) (set by it), read from the same two columns.
     path: Optional[str] = None
     val_path: Optional[str] = None
     image_column: str = "image"

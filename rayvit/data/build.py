@@ -21,8 +21,8 @@ class Data:
     train: Iterator[tuple[torch.Tensor, torch.Tensor]]  # infinite; cycles epochs
     # This rank's share of the validation split (one pass per call); None when there is none.
     val_batches: Optional[Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]]
-    num_train: int      # size of the whole train split (all ranks)
-    num_val: int
+    num_train: Optional[int]      # size of the whole train split (all ranks); None: a caller's dataset
+    num_val: Optional[int]
     num_classes: int    # classes present in the data
     # Corrupt images dropped under data.skip_corrupt=true (each named once on stderr), else None.
     skipped: Optional[Skipped] = None
@@ -49,9 +49,9 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
     device = torch.device(device)
     d, t = cfg.data, cfg.train
     if dataset_shards and dataset_shards.get("train") is not None:
-        if d.name != "parquet":
+        if d.name not in ("parquet", "dataset"):
             raise ConfigError(f"dataset_shards were given but data.name={d.name}; Ray Data input needs "
-                              "data.name=parquet")
+                              "data.name=parquet (or dataset: your own, through rayvit.trainer.make_trainer)")
         info = parquet.shard_info(dataset_shards["train"], cfg)
         val_shard = dataset_shards.get("val")
         skipped = Skipped() if d.skip_corrupt else None
@@ -61,6 +61,9 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
                          if val_shard is not None else None),
             num_train=info.num_train, num_val=info.num_val, num_classes=info.num_classes, skipped=skipped)
 
+    if d.name == "dataset":
+        raise ConfigError("data.name=dataset trains on the Ray Datasets handed to rayvit.trainer.make_trainer("
+                          "datasets=...); without Ray use data.name=parquet with data.path")
     if d.name == "synthetic":
         batches = synthetic.synthetic_batches(cfg, device, rank)
         return Data(train=synthetic.synthetic_train(batches), val_batches=None,

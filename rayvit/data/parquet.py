@@ -155,17 +155,23 @@ INFO_KEY = "rayvit.data.info"  # DataContext config key carrying ParquetInfo to 
 
 @dataclass
 class ParquetInfo:
-    """Sizes and class count of a parquet dataset, from footers and the label column only."""
+    """Sizes and class count of a parquet dataset, from footers and the label column only (sizes None: a
+    caller's own dataset, not counted)."""
 
-    num_train: int
-    num_val: int
+    num_train: Optional[int]
+    num_val: Optional[int]
     num_classes: int
 
 
 def shard_info(shard: Any, cfg: Config) -> ParquetInfo:
-    """Sizes and class count of the dataset behind a Ray shard (from ray_datasets, else from the files)."""
+    """Sizes and class count of the dataset behind a Ray shard (from ray_datasets, else from the files; a
+    caller's own dataset (``data.name=dataset``): not counted, ``model.num_classes`` classes)."""
     stored = shard.get_context().get_config(INFO_KEY)
-    return ParquetInfo(**stored) if stored else parquet_info(cfg)
+    if stored:
+        return ParquetInfo(**stored)
+    if cfg.data.name == "dataset":
+        return ParquetInfo(None, None, cfg.model.num_classes)
+    return parquet_info(cfg)
 
 
 def parquet_info(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> ParquetInfo:

@@ -74,7 +74,7 @@ class Demand:
             bundle[f"accelerator_type:{p.accelerator_type}"] = 0.001
         # Ray Data reads and decodes in tasks of its own: with every CPU held by a training worker they
         # never get scheduled and the workers wait forever for their first batch.
-        spare = 1.0 if cfg.data.name == "parquet" else 0.0
+        spare = 1.0 if cfg.data.name in ("parquet", "dataset") else 0.0
         return cls(p.num_workers, bundle, spare, p.strategy)
 
     @property

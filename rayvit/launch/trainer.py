@@ -254,6 +254,31 @@ def _check_scaling(cfg: Config, given: ScalingConfig) -> None:
                           "make_trainer derives it")
 
 
+def _own_datasets(cfg: Config, datasets: dict) -> tuple[Config, dict]:
+    """The caller's Ray Datasets, checked on the driver: ``train`` (and optionally ``val``) holding images
+    (encoded files, decoded here by rayvit's transforms, or decoded uint8 crops) and integer labels in the
+    columns the config names; the config then says it trains on them (``data.name=dataset``)."""
+    from rayvit.data import decode_dataset
+    from rayvit.data.parquet import INFO_KEY
+    from rayvit.data.schema import check_dataset
+
+    unknown = sorted(set(datasets) - {"train", "val"})
+    if "train" not in datasets or unknown:
+        raise ConfigError(f"datasets must be {{'train': ..., 'val': ... (optional)}}; got keys {sorted(datasets)}")
+    if cfg.data.name not in ("parquet", "dataset"):
+        cfg = cfg.replace({"data.name": "dataset"})
+    ready = {}
+    for name, dataset in datasets.items():
+        if check_dataset(dataset, cfg, name) == "encoded":
+            dataset = decode_dataset(dataset, cfg, training=name == "train")
+        if dataset.context.get_config(INFO_KEY) is None:
+            # Not counted: a count would run the caller's whole pipeline; workers take model.num_classes.
+            dataset.context.set_config(INFO_KEY, {"num_train": None, "num_val": None,
+                                                  "num_classes": cfg.model.num_classes})
+        ready[name] = dataset
+    return cfg, ready
+
+
 class RayvitTrainer(TorchTrainer):
     """A ``TorchTrainer`` running rayvit's worker loop for one config (or a group measured in rounds).
 
@@ -271,6 +296,8 @@ class RayvitTrainer(TorchTrainer):
         cfg = as_config(cfg)
         if scaling_config is not None:
             _check_scaling(cfg, scaling_config)
+        if datasets is not None:
+            cfg, datasets = _own_datasets(cfg, datasets)
         self.rayvit_config, self.rayvit_group = cfg, group
         self._storage_given = run_config is not None and run_config.storage_path is not None
         self._reports = group is None

@@ -65,6 +65,8 @@ def test_a_users_process_left_as_found_and_the_readme_examples_run_as_written(tm
     tflops, lo, hi, mfu, accuracy = (float(v) for v in after("TFLOPS per chip, its interval, MFU, accuracy:"))
     assert 0 < lo <= tflops <= hi and 0 < mfu < 1 and 0 < accuracy <= 1
     assert float(after("images/s per chip:")[0]) > 0               # a hand-built TorchTrainer's result
+    # The caller's own Ray Dataset of encoded photographs, decoded by rayvit, its input wait measured.
+    assert 0 <= float(after("own dataset:")[0]) <= 1
     # Tune, strict: the best trial by tflops_per_chip, with its final accuracy.
     impl, best_tflops, best_accuracy = after("best:")
     assert impl in ("loop", "foreach") and float(best_tflops) > 0 and 0 < float(best_accuracy) <= 1

@@ -230,3 +230,18 @@ def test_a_hand_built_trainer_with_more_workers_than_the_config_is_refused_with_
                            scaling_config=ScalingConfig(num_workers=2))
     with pytest.raises(Exception, match="started 2 workers, the config says parallel.num_workers=1"):
         trainer.fit()
+
+
+def test_a_dataset_with_the_wrong_columns_is_refused_on_the_driver_naming_what_it_found():
+    from rayvit.config import ConfigError
+    from rayvit.trainer import make_trainer
+
+    wrong = ray.data.from_items([{"pixels": b"\xff\xd8", "target": 1}] * 4)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"no column 'image' \(columns: pixels \(binary\), target \(int64\)\)"):
+        make_trainer(load_config(overrides=["parallel.num_workers=1"]), datasets={"train": wrong})
+    assert time.monotonic() - start < 2
+    # Named by the config, the same columns are taken (and the config says it trains on a dataset).
+    trainer = make_trainer(load_config(overrides=["parallel.num_workers=1", "data.image_column=pixels",
+                                                  "data.label_column=target"]), datasets={"train": wrong})
+    assert trainer.rayvit_config.data.name == "dataset"
