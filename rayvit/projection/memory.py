@@ -58,10 +58,10 @@ def activation_bytes_per_image(cfg: Config, *, layer_norm_fp32: Optional[bool] =
         "mlp_hidden": 2 * s * m.mlp_dim * c,                  # GELU input and output
     }
     if attention == "math":
-        # model.attention=math: the fp32 softmax's output (its backward needs it) and its half copy (p v's
-        # input), and no log-sum-exp.
+        # model.attention=math: the scaled q (q k^T's input; SDPA's saved output is not kept), the fp32
+        # softmax's output (its backward needs it) and, in half precision, its half copy (p v's input).
         per_block["attention_out"] = s * h * c
-        per_block["attention_matrix"] = m.num_heads * s * s * (FULL + c)
+        per_block["attention_matrix"] = m.num_heads * s * s * (FULL + (c if c != FULL else 0))
     # Activation checkpointing: a checkpointed block keeps only its input; during backward one block's
     # activations exist again while it is recomputed.
     kept = m.depth - len(checkpointed_blocks(m))

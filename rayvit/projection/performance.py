@@ -302,19 +302,24 @@ def _shares_host(profile: HardwareProfile, chips: int) -> bool:
 
 def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional[ComputeRate] = None, *,
             batch: Optional[int] = None, layer_norm_fp32: Optional[bool] = None,
-            peak: Optional[float] = None, overhead_s: float = 0.0) -> Projection:
+            peak: Optional[float] = None, overhead_s: float = 0.0, accumulation: int = 1) -> Projection:
     """One point: ``cfg`` (its strategy, precision, model) on ``chips`` chips of ``profile``, with
     ``overhead_s`` the strategy's own per-step overhead where it was measured. Without ``compute`` the
-    roofline (GPUs) or the timed peak (CPUs) prices it at this batch."""
+    roofline (GPUs) or the timed peak (CPUs) prices it at this batch.
+
+    ``accumulation``: micro-batches of ``batch`` per optimizer step (gradient accumulation, as published
+    runs of other code use it; rayvit's own training steps once per batch): their collectives are issued
+    once, behind the last micro-batch's compute, and the optimizer steps once."""
     batch = batch or cfg.train.batch_size
     if compute is None or compute.breakdown is not None and compute.breakdown.batch != batch:
         compute = compute_from_peak(cfg, profile, batch)
-    fb = compute.seconds_per_image * batch
+    one = compute.seconds_per_image * batch
     forward_share = compute.breakdown.forward_share if compute.breakdown else FORWARD_SHARE
-    recompute = fb * recompute_fraction(cfg, profile, batch)
+    one_recompute = one * recompute_fraction(cfg, profile, batch)
     if _shares_host(profile, chips):
-        fb, recompute = fb * profile.shared_host_slowdown, recompute * profile.shared_host_slowdown
-    fwd, bwd = fb * forward_share, fb * (1 - forward_share) + recompute
+        one, one_recompute = one * profile.shared_host_slowdown, one_recompute * profile.shared_host_slowdown
+    fb, recompute = one * accumulation, one_recompute * accumulation
+    fwd, bwd = one * forward_share, one * (1 - forward_share) + one_recompute
     msgs = comms.step_messages(cfg, chips, layer_norm_fp32=layer_norm_fp32)
     opt = optimizer_time(cfg, chips, profile, layer_norm_fp32=layer_norm_fp32)
     comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd,
@@ -325,7 +330,7 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
     overhead_s = max(overhead_s, -(exposed + opt))
     waiting = straggler_s(profile, chips, fb + recompute + opt)
     step = fb + recompute + exposed + opt + overhead_s + waiting
-    ips = batch / step
+    ips = batch * accumulation / step
     tflops = vit_complexity(cfg.model).train_flops_per_image * ips / 1e12
     peak = peak or peak_flops(cfg, profile)
     mem = memory.memory(cfg, chips, profile, batch=batch, layer_norm_fp32=layer_norm_fp32)
