@@ -184,8 +184,11 @@ def test_model_state_equals_the_built_strategies_at_world_size_1():
     for strategy, mode in COMBOS:
         cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", f"precision.mode={mode}", "train.steps=2",
                                     "train.warmup_steps=1", "train.batch_size=4", reduce_dtype(strategy, mode)])
-        measured = train(cfg).metrics["model_state_bytes_per_rank"]
+        result = train(cfg)
+        measured = result.metrics["model_state_bytes_per_rank"]
         assert memory.model_state(cfg, 1).total == measured, (strategy, mode)
+        # Every run states its device's memory (what picks an A100 40 or 80 GB profile): none on CPU.
+        assert "device_memory_bytes" in result.conditions and result.conditions["device_memory_bytes"] is None
 
 
 def test_step_time_by_hand_on_a_two_chip_cpu_profile():
@@ -368,6 +371,10 @@ def test_an_unknown_gpu_gets_a_generic_gpu_profile_with_a_warning_never_the_cpu_
         assert sweep_profile(cfg, [], None).overlap == 0.9
     assert sweep_profile(cfg, [{"accelerator": "A100"}], {**links, "device_name": "A100",
                                                            "device_memory_bytes": 85.1e9}).name == "a100-80gb"
+    # Without links the points' own conditions say which variant they ran on.
+    rows = [{"accelerator": "A100", "device_memory_bytes": 85.1e9}]
+    assert sweep_profile(cfg, rows, None).name == "a100-80gb"
+    assert sweep_profile(cfg, [{"accelerator": "A100", "device_memory_bytes": 42.3e9}], None).name == "a100-40gb"
 
 
 def test_fit_link_recovers_latency_and_bus_bandwidth():

@@ -186,3 +186,15 @@ def test_fsdp2_shards_at_two_gloo_ranks_are_what_the_projection_counts(tmp_path)
             t = tensors[name]
             assert sharded[0] == chunk_rows(t.shape[0], 2, rank) and padded[0] == chunk_rows(t.shape[0], 2, 0), name
     assert ranks[0]["pos_embed"][1] == (33, 64)                      # 65 rows -> 2 x 33, not 2 x (1, 65, 64)
+
+
+def test_the_gpu_links_benchmark_times_small_messages_too():
+    """An fp32 LayerNorm group is ~20 KB: the GPU sizes include 16-64 KiB, so such messages take their
+    latency from a measurement, not from an extrapolation of megabyte messages."""
+    from rayvit.projection.collectives import GPU_SIZES, fit_link
+
+    assert min(GPU_SIZES) <= 64 * 2 ** 10 and any(16 * 2 ** 10 <= s <= 64 * 2 ** 10 for s in GPU_SIZES)
+    latency, busbw = 12e-6, 200e9
+    points = [[b, latency + comms.bus_factor("all_reduce", 8) * b / busbw] for b in GPU_SIZES]
+    fit = fit_link(points, "all_reduce", 8)
+    assert fit["latency_s"] == pytest.approx(latency, rel=1e-3) and fit["busbw"] == pytest.approx(busbw, rel=1e-3)
