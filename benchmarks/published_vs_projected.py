@@ -18,7 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NEMO_VIT = "https://docs.nvidia.com/nemo-framework/user-guide/latest/multimodalmodels/visionlanguagefoundation/vit/performance.html"
+NEMO_VIT = ("https://docs.nvidia.com/nemo-framework/user-guide/latest/multimodalmodels/visionlanguagefoundation/"
+            "vit/performance.html")
 NEMO_VIT_CONFIG = "NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/vit/g_14.yaml"
 DLE_BERT = ("NVIDIA/DeepLearningExamples PyTorch/LanguageModeling/BERT/README.md, 'Pre-training NVIDIA DGX A100 "
             "(8x A100 40GB)', pytorch:20.06-py3")

@@ -71,21 +71,24 @@ def unique_path(folder: Path, stem: str, suffix: str = ".png") -> Path:
 
 
 def header(cfg: Config, profile: HardwareProfile, rate_source: str) -> list[str]:
+    """What is projected, where its compute comes from, the links; a warning where the chip lacks the
+    tensor cores for the dtype."""
     m, p = cfg.model, cfg.precision
-    lines = [f"projection: {model_name(cfg)} {m.image_size}px, batch {cfg.train.batch_size}/chip, "
-             f"{p.mode}{'' if p.mode == 'fp32' else '/' + p.dtype}, reduce {'half' if reduces_in_half(cfg) else 'fp32'}, "
-             f"{cfg.optim.name}-{cfg.optim.impl}"
-             + (f", activation checkpointing {m.activation_checkpointing}" if m.activation_checkpointing != "none" else "")
-             + f" on {profile.name} ({profile.source})",
+    precision = p.mode if p.mode == "fp32" else f"{p.mode}/{p.dtype}"
+    checkpointing = "" if m.activation_checkpointing == "none" else \
+        f", activation checkpointing {m.activation_checkpointing}"
+    bridge = "" if profile.bridge is None else \
+        f", within {profile.bridge_chips} chips busbw {profile.bridge.busbw / 1e9:.0f} GB/s ({profile.bridge.source})"
+    lines = [f"projection: {model_name(cfg)} {m.image_size}px, batch {cfg.train.batch_size}/chip, {precision}, "
+             f"reduce {'half' if reduces_in_half(cfg) else 'fp32'}, {cfg.optim.name}-{cfg.optim.impl}{checkpointing} "
+             f"on {profile.name} ({profile.source})",
              f"compute: {rate_source}",
-             f"links: intra-node busbw {profile.intra.busbw / 1e9:.0f} GB/s ({profile.intra.source})"
-             + (f", within {profile.bridge_chips} chips busbw {profile.bridge.busbw / 1e9:.0f} GB/s "
-                f"({profile.bridge.source})" if profile.bridge is not None else "")
-             + f", {profile.chips_per_node} chips/node, inter-node busbw {profile.inter.busbw / 1e9:.0f} GB/s per node; "
-               f"overlap {profile.overlap:g}; chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
+             f"links: intra-node busbw {profile.intra.busbw / 1e9:.0f} GB/s ({profile.intra.source}){bridge}, "
+             f"{profile.chips_per_node} chips/node, inter-node busbw {profile.inter.busbw / 1e9:.0f} GB/s per node; "
+             f"overlap {profile.overlap:g}; chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
     if profile.accelerator in NO_BF16_TENSOR_CORES and p.mode != "fp32" and p.dtype == "bf16":
         lines.append(f"warning: {profile.accelerator} has no bf16 tensor cores: bf16 runs at its fp32 rate "
-                     f"({profile.peak_flops('bf16') / 1e12:.4g} TFLOPS); use precision.dtype=fp16 on {profile.accelerator}")
+                     f"({profile.peak_flops('bf16') / 1e12:.4g} TFLOPS); use precision.dtype=fp16 there")
     return lines
 
 
@@ -145,8 +148,8 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
 def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = unique_path(folder, f"projection-{model_name(cfg)}-{profile.name}")
-    return report.projection_figure(points, path, title=f"Projected per-chip TFLOPS: {model_name(cfg)} on {profile.name}",
-                                    caption_rows=conditions(cfg, profile.name))
+    title = f"Projected per-chip TFLOPS: {model_name(cfg)} on {profile.name}"
+    return report.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
 
 
 __all__ = ["run", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]

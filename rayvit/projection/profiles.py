@@ -1,8 +1,8 @@
 """Hardware profiles: what a chip computes, holds and moves, with where each number comes from.
 
-A profile names its chip by the key of ``rayvit.accelerators.PEAK_TFLOPS`` (the one table of dense peaks and
-of the roofline's per-chip figures, ``CHIPS``; add chips there, not here). Links are described the way nccl-tests reports them: a *bus bandwidth*
-(``busbw``: the per-rank rate a collective's bottleneck link sustains, independent of the rank count;
+A profile names its chip by the key of ``rayvit.accelerators.PEAK_TFLOPS`` (the one table of dense peaks
+and of the roofline's per-chip figures, ``CHIPS``; add chips there, not here). Links are described the way
+nccl-tests reports them: a *bus bandwidth* (``busbw``: the per-rank rate a collective's bottleneck link sustains, independent of the rank count;
 all-reduce time = 2(n-1)/n x bytes / busbw, all-gather and reduce-scatter (n-1)/n x bytes / busbw,
 broadcast and reduce 1 x bytes / busbw, see nccl-tests doc/PERFORMANCE.md) plus a per-message latency.
 A ring across nodes is bound by each node's network bandwidth, so the inter-node busbw is the node's NIC

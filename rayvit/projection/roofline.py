@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, ChipSpec
+from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, NO_BF16_TENSOR_CORES, ChipSpec
 from rayvit.config import Config
 from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.projection.dtypes import FULL, HALF, Dtypes
@@ -138,7 +138,7 @@ def chip_for(profile, dtype_key: str) -> Optional[Chip]:
     peak = profile.peak_flops(dtype_key)
     if spec is None or peak is None:
         return None
-    half = dtype_key in ("fp16", "bf16") and not (dtype_key == "bf16" and spec.name == "V100")
+    half = dtype_key in ("fp16", "bf16") and not (dtype_key == "bf16" and spec.name in NO_BF16_TENSOR_CORES)
     return Chip(spec, peak, profile.memory_bw * profile.memory_efficiency,
                 BOOST_CLOCK_GHZ[spec.name] * 1e9 * spec.sustained_clock, half, profile.kernel_gap_s, profile.host_op_s)
 
@@ -241,15 +241,19 @@ def block_memory_bytes(cfg: Config, fused: bool) -> dict[tuple[str, str], float]
     ln_fp32 = cfg.precision.mode == "amp" or dt.layer_norm_fp32
     l_ = FULL if ln_fp32 or dt.mode == "fp32" else r
     cast = (l_ + c) * h if l_ != c else 0.0              # the matmul's input cast to the compute dtype
+    # Dropout after GELU and after fc2: eager reads and writes each and writes a 1-byte mask; fused into
+    # its chain, only the mask is written (and read back in backward).
     drop = (2 * c + 1) * (w + h) if m.dropout > 0 else 0.0
+    drop_fused = float(w + h) if m.dropout > 0 else 0.0
     bias_grads = (3 * h + h + w + h) * c                  # sum of each Linear's output gradient
     if fused:
         # Chains between matmuls become one kernel: LayerNorm+cast, the transpose copy, residual
         # add+LayerNorm+cast, GELU(+dropout), residual add (into the next block's LayerNorm).
         fwd = {"layernorm+cast": (r + c) * h, "attention out copy": 2 * c * h,
-               "add+layernorm+cast": (2 * r + c + c) * h, "gelu": 2 * c * w + drop / 2, "residual add": (r + c + r) * h}
+               "add+layernorm+cast": (2 * r + c + c) * h, "gelu": 2 * c * w + drop_fused,
+               "residual add": (r + c + r) * h}
         bwd = {"layernorm backward": (c + 2 * r + r) * h * 2, "attention out copy": 2 * c * h,
-               "gelu backward": 3 * c * w + drop / 2, "bias grads": bias_grads}
+               "gelu backward": 3 * c * w + drop_fused, "bias grads": bias_grads}
     else:
         fwd = {"layernorm": 2 * (r + l_) * h, "casts": 2 * cast, "attention out copy": 2 * c * h,
                "residual adds": 2 * (r + c + r) * h, "gelu": 2 * c * w, "dropout": drop}
