@@ -93,16 +93,20 @@ For each chip count and strategy of the config's sweep (ddp, fsdp with and witho
 fairscale_oss, fairscale_fsdp, as the config allows) it prints step time, images/s and TFLOPS per chip,
 MFU, the ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer),
 memory per rank, whether the point fits the chip and the largest batch that fits; then a memory breakdown
-and a PNG of projected TFLOPS per chip against chips. Compute comes from --measured, else the chip's
-peak times a stated efficiency; links and memory from the hardware profile
-(rayvit/projection/profiles.py). Neither Ray nor torch.distributed is started. Same as
+and a PNG of projected TFLOPS per chip against chips. Compute comes from --measured, else the
+op-level roofline of the chip (matmuls at their shape's achievable rate, memory-bound operations at
+memory bandwidth); links, memory and the spread of chips' speed from the hardware profile
+(rayvit/projection/profiles.py; docs/projection.md says where every figure comes from). Rows that do not
+fit are followed by what would make them fit. sweep.strategies need not name ddp: every strategy is
+compared with DDP, which the projection adds. Neither Ray nor torch.distributed is started. Same as
 `rayvit sweep --project`."""
 
 PROJECT_EXAMPLES = """examples:
   %(prog)s --config experiments/configs/study_a100.yaml                 # 8-64 A100 40 GB (p4d)
   %(prog)s --config experiments/configs/study_a100.yaml --hardware a100-80gb h100-sxm h200
   %(prog)s --config experiments/configs/study_a100.yaml --measured results/gpu_check.json
-  %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)"""
+  %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)
+  %(prog)s --config study_a100.yaml --json --hardware h100-sxm > rows.jsonl   # one JSON record per row"""
 
 
 def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",
@@ -144,15 +148,23 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
     if not standalone:
         group.add_argument("--project", action="store_true",
                            help="project the config's sweep instead of running it")
+    from rayvit.projection.profiles import PROFILES
+
     group.add_argument("--hardware", nargs="+", default=None, metavar="PROFILE",
-                       help="hardware profiles: a100-40gb, a100-80gb, h100-sxm, h200, cpu (default: a100-40gb "
-                            "on GPU configs, cpu otherwise)")
-    group.add_argument("--chips", type=int, nargs="+", help="chip counts (default: sweep.worker_counts)")
+                       help=f"hardware profiles: {', '.join([*PROFILES, 'cpu'])} (default: a100-40gb on GPU "
+                            "configs, cpu otherwise)")
+    group.add_argument("--chips", type=int, nargs="+", help="chip counts, 1 or more (default: sweep.worker_counts)")
     group.add_argument("--measured", metavar="JSON",
                        help="a single-chip rate: a point's result.json (an artifact of its MLflow run), "
                             "`rayvit bench --json` output or "
                             "`rayvit gpu-check`'s JSON (needed for the cpu profile)")
-    group.add_argument("--out-dir", default="results", help="where the PNG goes (default: results/)")
+    group.add_argument("--out-dir", default=None,
+                       help="where the PNG goes (default: $RAYVIT_HOME/projections, ~/.rayvit/projections); an "
+                            "earlier projection's file is never overwritten (-2, -3, ... are added)")
+    group.add_argument("--json", action="store_true",
+                       help="print one JSON record per projected row (hardware, chips, strategy, "
+                            "images_per_sec_per_chip, tflops_per_chip, mfu, scaling_efficiency, memory_bytes_per_rank, "
+                            "fits, max_batch, ...) instead of the tables; the PNG only with --out-dir")
     group.add_argument("--data-rate", metavar="JSON|N",
                        help="the input pipeline's images/s per CPU core (`rayvit bench-data --json` output, or a "
                             "number): adds whether each point's node can feed its chips, the cores per chip it "
@@ -163,13 +175,12 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
 
 def _project(args: argparse.Namespace) -> int:
     """The projection table and PNG; imports neither Ray nor torch.distributed."""
-    from rayvit.config import load_study
     from rayvit.projection import cli as projection
 
-    study = load_study(args.config, args.overrides)
+    study = projection.load(args.config, args.overrides)
     hardware = args.hardware or (["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"])
     projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir,
-                   data_rate=args.data_rate, node_cpus=args.node_cpus)
+                   as_json=args.json, data_rate=args.data_rate, node_cpus=args.node_cpus)
     return 0
 
 

@@ -74,6 +74,16 @@ class ModelConfig:
     # The steps that compile run among train.warmup_steps, outside the timed window; their extra time is
     # recorded as compile_time_s.
     compile: bool = False
+    # Activation checkpointing (rayvit.models.checkpointing): "block" keeps only each encoder block's input
+    # for backward and runs its forward again there; "selective" does so for every checkpoint_every-th
+    # block. Less activation memory for one more forward of those blocks; each strategy wraps the blocks
+    # its own way before sharding.
+    activation_checkpointing: Literal["none", "block", "selective"] = "none"
+    checkpoint_every: int = 2
+    # Attention kernel: "sdpa" (F.scaled_dot_product_attention: FlashAttention-2 or the memory-efficient
+    # kernel on GPUs) or "math": explicit q k^T, an fp32 softmax and p v, as Megatron-style and older ViT
+    # code computes it (it keeps the heads x S x S matrix for backward).
+    attention: Literal["sdpa", "math"] = "sdpa"
 
 
 @dataclass
@@ -212,7 +222,7 @@ class LaunchConfig:
 
 
 LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
-                "batch_second", "image_256", "full_half", "compile")
+                "batch_second", "image_256", "full_half", "compile", "activation_checkpointing")
 
 
 @dataclass
@@ -356,10 +366,14 @@ def shipped_configs() -> list[str]:
 
 
 def load_study(path: str | os.PathLike | None = None,
-               overrides: Iterable[str] | dict[str, Any] = ()) -> Study:
+               overrides: Iterable[str] | dict[str, Any] = (), *, baseline_required: bool = True) -> Study:
     """Read a YAML file or a shipped config's name (or the defaults), apply ``section.key=value``
-    overrides, build and validate."""
-    return study_from_dict(read_yaml(config_path(path)) if path is not None else {}, overrides)
+    overrides, build and validate.
+
+    ``baseline_required=False``: ``sweep.strategies`` need not name DDP (the projection adds it itself;
+    a sweep measures every point against it, so ``rayvit sweep`` requires it)."""
+    return study_from_dict(read_yaml(config_path(path)) if path is not None else {}, overrides,
+                           baseline_required=baseline_required)
 
 
 def load_config(path: str | os.PathLike | None = None,
@@ -407,7 +421,8 @@ def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = 
     return _run_config(data)
 
 
-def study_from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = ()) -> Study:
+def study_from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = (), *,
+                    baseline_required: bool = True) -> Study:
     """Build a validated :class:`Study` from the YAML file's shape plus overrides."""
     from rayvit.config_rules import validate_search, validate_sweep
 
@@ -420,7 +435,7 @@ def study_from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, A
                   sweep=_build(SweepConfig, data.get("sweep"), "sweep."),
                   search=_build(SearchConfig, data.get("search"), "search."),
                   tracking=_build(TrackingConfig, data.get("tracking"), "tracking."))
-    validate_sweep(study.sweep)
+    validate_sweep(study.sweep, baseline_required=baseline_required)
     validate_search(study.search)
     return study
 

@@ -69,6 +69,8 @@ def _validate_model(m: ModelConfig) -> None:
            f"model.num_heads={m.num_heads} must divide model.hidden_dim={m.hidden_dim}")
     _check(m.num_classes >= 2, f"model.num_classes={m.num_classes} must be at least 2")
     _check(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout} must be in [0, 1)")
+    _check(m.checkpoint_every >= 1, f"model.checkpoint_every={m.checkpoint_every} must be at least 1 (the "
+                                    "stride between checkpointed blocks under activation_checkpointing=selective)")
     if m.stem == "conv":
         _check(len(m.conv_stem_dims) == len(m.conv_stem_strides) and m.conv_stem_dims,
                f"model.conv_stem_dims {m.conv_stem_dims} and model.conv_stem_strides "
@@ -101,6 +103,10 @@ def _validate_parallel(cfg: Config) -> None:
         why = fused_unavailable(cfg.optim.name, strategy.dtensor_params, "cuda" if p.use_gpu else "cpu")
         _check(why is None, f"optim.impl=fused with optim.name={cfg.optim.name} and parallel.strategy="
                             f"{p.strategy}: {why}; use optim.impl=foreach")
+    if cfg.model.activation_checkpointing != "none":
+        why = strategy.checkpointing_unsupported
+        _check(why is None, f"model.activation_checkpointing={cfg.model.activation_checkpointing} cannot run "
+                            f"with parallel.strategy={p.strategy}: {why}")
     if cfg.model.compile:
         why = strategy.compile_unsupported
         _check(why is None, f"model.compile=true cannot run with parallel.strategy={p.strategy}: {why}")
@@ -149,10 +155,10 @@ def _validate_launch(launch: LaunchConfig) -> None:
            f"launch.worker_start_timeout_s={launch.worker_start_timeout_s} must be positive")
 
 
-def validate_sweep(s: SweepConfig) -> None:
+def validate_sweep(s: SweepConfig, baseline_required: bool = True) -> None:
     unknown = sorted(set(s.strategies) - set(STRATEGIES))
     _check(not unknown, f"sweep.strategies has unknown {unknown}; allowed: {', '.join(STRATEGIES)}")
-    _check(BASELINE in s.strategies,
+    _check(BASELINE in s.strategies or not baseline_required,
            f"sweep.strategies must include {BASELINE}, the baseline every point is compared to")
     _check(bool(s.worker_counts) and all(n >= 1 for n in s.worker_counts),
            f"sweep.worker_counts={s.worker_counts} must be a non-empty list of positive integers")

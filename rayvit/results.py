@@ -71,6 +71,7 @@ PER_RANK_KEYS = (
 # Conditions every figure is stated with.
 CONDITION_KEYS = (
     "model", "image_size", "batch_per_chip", "precision", "strategy", "world_size", "accelerator",
+    "device_memory_bytes",
     "torch_version", "ray_version", "fairscale_version", "rayvit_version", "data", "memory_measure",
     "reduce_dtype", "layer_norm_fp32",
 )

@@ -161,6 +161,14 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
     checks.append(("data.decode=gpu (nvJPEG crops)", partial(check_gpu_decode, device)))
     for mode in ("fp32", "amp", "mixed", "pure"):
         checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
+    # Activation checkpointing: FSDP2 (torch's wrapper before fully_shard), FairScale FSDP (FairScale's own
+    # wrapper inside its FSDP, which only a GPU runs), and the memory it saves against the model.
+    for strategy, dtype in (("fsdp", "bf16"), ("fairscale_fsdp", "fp16")):
+        checks.append((f"activation checkpointing {strategy} mixed-{dtype}", partial(
+            train, {"parallel.strategy": strategy, "precision.mode": "mixed", "precision.dtype": dtype,
+                    "model.activation_checkpointing": "block"})))
+    checks.append(("activation memory mixed, checkpointed", partial(
+        check_activation_memory, device, "mixed", {"model.activation_checkpointing": "block"})))
     if compile_:
         for strategy, mode in (("ddp", "amp"), ("fsdp", "mixed")):
             checks.append((f"compile {strategy} {mode}-bf16", partial(

@@ -409,11 +409,12 @@ def check_profile(device) -> str:
     return facts + ("; no profile of its own: add one to rayvit.projection.profiles" if unknown else "")
 
 
-def check_activation_memory(device, mode: str) -> str:
-    """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch."""
+def check_activation_memory(device, mode: str, extra: Optional[dict[str, Any]] = None) -> str:
+    """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch
+    (``extra``: more overrides, e.g. activation checkpointing, whose recomputed block is in the peak)."""
     from rayvit.projection.memcheck import allocator_check
 
-    cfg = small_config({"precision.mode": mode, "precision.dtype": "bf16"}, steps=3)
+    cfg = small_config({"precision.mode": mode, "precision.dtype": "bf16", **(extra or {})}, steps=3)
     r = allocator_check(cfg, device)
     text = (f"per image measured {r['measured_per_image'] / 2**20:.2f} MiB, modelled "
             f"{r['modelled_per_image'] / 2**20:.2f} MiB (x{r['ratio_per_image']:.2f}); peak at batch "

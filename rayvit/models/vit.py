@@ -49,13 +49,14 @@ def keep_layer_norms_fp32(model: nn.Module) -> list[nn.LayerNorm]:
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection and SDPA."""
 
-    def __init__(self, dim: int, num_heads: int, dropout: float = 0.0) -> None:
+    def __init__(self, dim: int, num_heads: int, dropout: float = 0.0, math_kernel: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
+        self.math_kernel = math_kernel
 
     def forward(self, x: torch.Tensor, batch_second: bool) -> torch.Tensor:
         heads, head_dim = self.num_heads, self.head_dim
@@ -67,13 +68,24 @@ class Attention(nn.Module):
         else:
             b, s, d = x.shape
             q, k, v = qkv.view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        if self.math_kernel:
+            out = self.math_attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
         # (B, H, S, hd) -> back to the block's layout.
         if batch_second:
             out = out.permute(2, 0, 1, 3).reshape(s, b, d)
         else:
             out = out.transpose(1, 2).reshape(b, s, d)
         return self.proj(out)
+
+
+    def math_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``model.attention=math``: softmax(q k^T / sqrt(d)) v with the softmax in fp32."""
+        scores = (q * self.head_dim ** -0.5) @ k.transpose(-2, -1)
+        probs = scores.float().softmax(dim=-1).to(q.dtype)
+        probs = F.dropout(probs, self.dropout, self.training) if self.dropout else probs
+        return probs @ v
 
 
 class MLP(nn.Sequential):
@@ -85,11 +97,12 @@ class MLP(nn.Sequential):
 class Block(nn.Module):
     """Pre-norm transformer encoder block. Layout-agnostic except for attention's head split."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_dim: int, dropout: float, batch_second: bool) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, dropout: float, batch_second: bool,
+                 math_attention: bool = False) -> None:
         super().__init__()
         self.batch_second = batch_second
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
-        self.attn = Attention(dim, num_heads, dropout)
+        self.attn = Attention(dim, num_heads, dropout, math_attention)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = MLP(dim, mlp_dim, dropout)
 
@@ -130,11 +143,14 @@ class VisionTransformer(nn.Module):
         self.seq_len = num_patches + int(self.use_class_token)
 
         self.stem = PatchifyStem(cfg) if cfg.stem == "patchify" else ConvStem(cfg)
-        self.class_token = nn.Parameter(torch.zeros(1, 1, dim)) if self.use_class_token else None
-        self.pos_embed = nn.Parameter(torch.empty(1, self.seq_len, dim))
+        # Shaped (dim,) and (S, dim), not (1, 1, dim) and (1, S, dim): FSDP2 shards dim 0 and pads it to the
+        # world size, so a leading 1 made every rank gather N padded copies (N x S x dim at N chips).
+        self.class_token = nn.Parameter(torch.zeros(dim)) if self.use_class_token else None
+        self.pos_embed = nn.Parameter(torch.empty(self.seq_len, dim))
         self.pos_drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
-            Block(dim, cfg.num_heads, cfg.mlp_dim, cfg.dropout, self.batch_second) for _ in range(cfg.depth))
+            Block(dim, cfg.num_heads, cfg.mlp_dim, cfg.dropout, self.batch_second, cfg.attention == "math")
+            for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(dim, eps=1e-6)
         self.head = nn.Linear(dim, cfg.num_classes)
         self.reset_parameters()
@@ -158,6 +174,15 @@ class VisionTransformer(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Checkpoints written before the (S, dim) and (dim,) shapes hold (1, S, dim) and (1, 1, dim).
+        for name in ("pos_embed", "class_token"):
+            own, key = getattr(self, name), prefix + name
+            if own is not None and key in state_dict and state_dict[key].shape != own.shape \
+                    and state_dict[key].numel() == own.numel():
+                state_dict[key] = state_dict[key].reshape(own.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def no_weight_decay(self) -> list[nn.Parameter]:
         """Parameters besides biases and norm weights that must not decay (position embedding, class token).
 
@@ -172,16 +197,16 @@ class VisionTransformer(nn.Module):
         x = self.stem(images).flatten(2)                     # (B, D, N)
         if self.batch_second:
             x = x.permute(2, 0, 1)                           # (N, B, D), kept to the end of the encoder
-            # (S, 1, D) from the same weights; select (not transpose) keeps the gradient contiguous, as
-            # DDP's gradient buckets expect.
-            pos = self.pos_embed[0].unsqueeze(1)
+            # (S, 1, D), a view of the contiguous weights: the gradient stays contiguous, as DDP's gradient
+            # buckets expect.
+            pos = self.pos_embed.unsqueeze(1)
             if self.class_token is not None:
-                x = torch.cat([self.class_token.expand(1, x.shape[1], -1), x], dim=0)
+                x = torch.cat([self.class_token.view(1, 1, -1).expand(1, x.shape[1], -1), x], dim=0)
         else:
             x = x.transpose(1, 2)                            # (B, N, D)
-            pos = self.pos_embed
+            pos = self.pos_embed                             # (S, D) broadcasts over the batch
             if self.class_token is not None:
-                x = torch.cat([self.class_token.expand(x.shape[0], 1, -1), x], dim=1)
+                x = torch.cat([self.class_token.view(1, 1, -1).expand(x.shape[0], 1, -1), x], dim=1)
         # Contiguous tokens: without a class token (whose cat copies) x would stay a strided view of the
         # stem's output through every block, making each LayerNorm copy and each residual add strided.
         # ``pos + x`` (pos first) already comes out contiguous batch-first; batch-second still copies once.

@@ -1,19 +1,40 @@
-"""``rayvit project`` (``experiments/scaling.py --project``): the projection table and figure, without Ray."""
+"""``rayvit project`` (``experiments/scaling.py --project``): the projection table and figure, without Ray.
+
+Everything a user gives is checked before anything is projected (chip counts, the ``--measured`` file,
+the profiles), and files go where the user says or under ``$RAYVIT_HOME/projections``, never over an
+earlier projection's. ``--json`` prints one JSON record per projected row instead of the tables.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable, Optional
 
-from rayvit.config import BASELINE, Config, ConfigError, Study, reduces_in_half
+from rayvit.accelerators import NO_BF16_TENSOR_CORES
+from rayvit.config import BASELINE, Config, ConfigError, Study, load_study, rayvit_home, reduces_in_half
 from rayvit.projection import inputs, report
-from rayvit.projection.performance import Projection, compute_from_peak, project_grid
-from rayvit.projection.profiles import get_profile
+from rayvit.projection.hints import fit_hints
+from rayvit.projection.performance import ComputeRate, Projection, project_grid
+from rayvit.projection.profiles import HardwareProfile, get_profile
 from rayvit.projection.rates import load_rate
 from rayvit.worker.strategies import strategy_class
 
-STUDY_NOTE = ("Published (ViT-H/16, A100s): FSDP 1.83x DDP at 64 GPUs; the optimization stack 1.51x, 256 px "
-              "1.86x, full FP16 2.18x, all against a DDP + AMP O1 baseline (see README: Projecting before you rent).")
+STUDY_NOTE = ("Published (ViT-H/16 on A100s, the study this project reproduces): FSDP 1.83x DDP at 64 GPUs; the "
+              "optimization stack 1.51x, 256 px 1.86x, full FP16 2.18x, all against a DDP + AMP O1 baseline "
+              "(docs/projection.md).")
+
+
+def load(config: str, overrides: list[str]) -> Study:
+    """The study to project: as ``rayvit sweep`` reads it, except that ``sweep.strategies`` need not name
+    DDP (the projection compares every strategy with DDP and adds it itself)."""
+    return load_study(config, overrides, baseline_required=False)
+
+
+def check_chips(chips: Optional[list[int]]) -> None:
+    bad = [n for n in chips or [] if n < 1]
+    if bad:
+        raise ConfigError(f"--chips takes chip counts of 1 or more, got {', '.join(map(str, bad))}")
 
 
 def variants(cfg: Config, strategies: list[str]) -> list[Config]:
@@ -31,42 +52,112 @@ def variants(cfg: Config, strategies: list[str]) -> list[Config]:
 
 def conditions(cfg: Config, profile_name: str) -> list[dict]:
     m, p = cfg.model, cfg.precision
-    return [{"model": m.name, "image_size": m.image_size, "batch_per_chip": cfg.train.batch_size,
+    return [{"model": model_name(cfg), "image_size": m.image_size, "batch_per_chip": cfg.train.batch_size,
              "precision": p.mode if p.mode == "fp32" else f"{p.mode}-{p.dtype}", "accelerator": profile_name}]
 
 
+def model_name(cfg: Config) -> str:
+    """The model as results name it: a preset, or a custom one by its architecture."""
+    m = cfg.model
+    return m.name if m.name != "custom" else f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}"
+
+
+def unique_path(folder: Path, stem: str, suffix: str = ".png") -> Path:
+    """``folder/stem.png``, or ``stem-2.png``, ``stem-3.png``, ... : never an existing file."""
+    path, i = folder / f"{stem}{suffix}", 2
+    while path.exists():
+        path, i = folder / f"{stem}-{i}{suffix}", i + 1
+    return path
+
+
+def header(cfg: Config, profile: HardwareProfile, rate_source: str) -> list[str]:
+    """What is projected, where its compute comes from, the links; a warning where the chip lacks the
+    tensor cores for the dtype."""
+    m, p = cfg.model, cfg.precision
+    precision = p.mode if p.mode == "fp32" else f"{p.mode}/{p.dtype}"
+    checkpointing = "" if m.activation_checkpointing == "none" else \
+        f", activation checkpointing {m.activation_checkpointing}"
+    bridge = "" if profile.bridge is None else \
+        f", within {profile.bridge_chips} chips busbw {profile.bridge.busbw / 1e9:.0f} GB/s ({profile.bridge.source})"
+    lines = [f"projection: {model_name(cfg)} {m.image_size}px, batch {cfg.train.batch_size}/chip, {precision}, "
+             f"reduce {'half' if reduces_in_half(cfg) else 'fp32'}, {cfg.optim.name}-{cfg.optim.impl}{checkpointing} "
+             f"on {profile.name} ({profile.source})",
+             f"compute: {rate_source}",
+             f"links: intra-node busbw {profile.intra.busbw / 1e9:.0f} GB/s ({profile.intra.source}){bridge}, "
+             f"{profile.chips_per_node} chips/node, inter-node busbw {profile.inter.busbw / 1e9:.0f} GB/s per node; "
+             f"overlap {profile.overlap:g}; chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
+    if profile.accelerator in NO_BF16_TENSOR_CORES and p.mode != "fp32" and p.dtype == "bf16":
+        lines.append(f"warning: {profile.accelerator} has no bf16 tensor cores: bf16 runs at its fp32 rate "
+                     f"({profile.peak_flops('bf16') / 1e12:.4g} TFLOPS); use precision.dtype=fp16 there")
+    return lines
+
+
+def footnotes(points: list[Projection], chips: list[int]) -> list[str]:
+    lines = [f"scaling eff. = per-chip img/s / the same strategy's at {chips[0]} chip(s), the smallest count given"]
+    if any((p.scaling_efficiency or 0) > 1.0005 for p in points):
+        lines.append("  above 100%: with more chips a sharded strategy's optimizer and memory traffic per rank "
+                     "shrink faster than its communication grows")
+    if any(p.vs_ddp is None and p.strategy != BASELINE for p in points):
+        lines.append("vs DDP '-': DDP does not fit at that count, so there is nothing to compare with")
+    return lines
+
+
 def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None, measured: Optional[str] = None,
-        out_dir: str = "results", out: Callable[[str], None] = print, data_rate: Optional[str] = None,
-        node_cpus: Optional[float] = None) -> list[Projection]:
-    """Print the projection of the study's sweep on each hardware profile and write one PNG per profile;
-    with ``data_rate`` (:func:`rayvit.projection.inputs.load_rate`) also whether the input keeps up."""
+        out_dir: Optional[str] = None, as_json: bool = False, out: Callable[[str], None] = print,
+        data_rate: Optional[str] = None, node_cpus: Optional[float] = None) -> list[Projection]:
+    """Print the projection of the study's sweep on each hardware profile (or, ``as_json``, one JSON record
+    per row) and write one PNG per profile (``as_json``: only where ``out_dir`` is given); with
+    ``data_rate`` (:func:`rayvit.projection.inputs.load_rate`) also whether the input keeps up."""
     cfg = study.run
+    check_chips(chips)
     input_rate = inputs.load_rate(data_rate, cfg.model.image_size) if data_rate else None
     chips = sorted(set(chips or study.sweep.worker_counts))
+    profiles = [get_profile(name) for name in hardware]        # every name checked before any output
+    if measured and not Path(measured).is_file():
+        raise ConfigError(f"--measured {measured}: no such file (give a point's result.json, `rayvit bench "
+                          "--json` output or `rayvit gpu-check`'s JSON)")
+    folder = Path(out_dir) if out_dir else rayvit_home() / "projections"
     everything = []
-    for name in hardware:
-        profile = get_profile(name)
-        rate = load_rate(measured, cfg, profile) if measured else compute_from_peak(cfg, profile)
-        points = project_grid(cfg, chips, variants(cfg, study.sweep.strategies), profile, rate)
-        m, p = cfg.model, cfg.precision
-        out(f"\nprojection: {m.name} {m.image_size}px, batch {cfg.train.batch_size}/chip, "
-            f"{p.mode}{'' if p.mode == 'fp32' else '/' + p.dtype}, reduce {'half' if reduces_in_half(cfg) else 'fp32'}, "
-            f"{cfg.optim.name}-{cfg.optim.impl} on {profile.name} ({profile.source})")
-        out(f"compute: {rate.source}; overlap {profile.overlap:g}; links: intra-node busbw "
-            f"{profile.intra.busbw / 1e9:.0f} GB/s, {profile.chips_per_node} chips/node, inter-node busbw "
-            f"{profile.inter.busbw / 1e9:.0f} GB/s per node")
+    for profile in profiles:
+        rate: Optional[ComputeRate] = load_rate(measured, cfg, profile) if measured else None
+        configs = {strategy_class(v.parallel.strategy).label(v): v for v in variants(cfg, study.sweep.strategies)}
+        points = project_grid(cfg, chips, list(configs.values()), profile, rate)
+        everything += points
+        cpus = node_cpus or inputs.node_cpus(profile.name)
+        if input_rate is not None:
+            inputs.annotate(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker)
+        if as_json:
+            for p in points:
+                out(json.dumps(p.record(), default=float))
+            if out_dir:
+                _figure(cfg, points, profile, folder)
+            continue
+        source = rate.source if rate else points[0].compute_source
+        out("")
+        for line in header(cfg, profile, source):
+            out(line)
         out(report.format_table(points))
+        for line in footnotes(points, chips):
+            out(line)
         out("")
         out(report.memory_table([q for q in points if q.chips == chips[-1]]))
         if input_rate is not None:
             out("")
-            out(inputs.input_table(points, input_rate, node_cpus or inputs.node_cpus(profile.name),
-                                   profile.chips_per_node, cfg.parallel.cpus_per_worker))
-        path = Path(out_dir) / f"projection-{m.name}-{profile.name}.png"
-        report.projection_figure(points, path, title=f"Projected per-chip TFLOPS: {m.name} on {profile.name}",
-                                 caption_rows=conditions(cfg, profile.name))
-        out(f"figure: {path.resolve()}")
-        everything += points
-    if cfg.model.name in ("vit_h16", "vit_h14"):
-        out("\n" + STUDY_NOTE)
+            out(inputs.input_table(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker))
+        for p in points:
+            for line in fit_hints(configs[p.label], p, profile, rate):
+                out(line)
+        out(f"figure: {_figure(cfg, points, profile, folder).resolve()}")
+        if cfg.model.name == "vit_h16" and profile.accelerator == "A100":
+            out("\n" + STUDY_NOTE)
     return everything
+
+
+def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = unique_path(folder, f"projection-{model_name(cfg)}-{profile.name}")
+    title = f"Projected per-chip TFLOPS: {model_name(cfg)} on {profile.name}"
+    return report.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
+
+
+__all__ = ["run", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]

@@ -38,7 +38,9 @@ from rayvit.projection.comms import bus_factor
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 CPU_SIZES = (16 * 2 ** 10, 128 * 2 ** 10, 1 * 2 ** 20, 4 * 2 ** 20)
-GPU_SIZES = (2 ** 20, 16 * 2 ** 20, 128 * 2 ** 20)
+# GPU: 16 and 64 KiB as well, so that small messages (an fp32 LayerNorm group is ~20 KB) take their latency
+# from a measurement rather than from an extrapolation of megabyte messages.
+GPU_SIZES = (16 * 2 ** 10, 64 * 2 ** 10, 2 ** 20, 16 * 2 ** 20, 128 * 2 ** 20)
 
 
 def _run(kind: str, buf, shard, dist) -> None:

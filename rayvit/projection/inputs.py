@@ -128,6 +128,22 @@ def input_table(points: Iterable[Any], rate: InputRate, node_cpus: Optional[floa
     return "\n".join(lines)
 
 
+def annotate(points: Iterable[Any], rate: InputRate, node_cpus: Optional[float], chips_per_node: int,
+             cpus_per_worker: float) -> None:
+    """Each point's input verdict in its ``extras`` (``rayvit project --json``): cores per chip needed and
+    free, whether the node feeds its chips, the epoch time and its bound (None where the node's CPUs are
+    unknown)."""
+    free = cores_free_per_chip(node_cpus, chips_per_node, cpus_per_worker) if node_cpus else None
+    for p in points:
+        v = verdict(p.images_per_sec_per_chip, p.chips, rate, free if free is not None else math.inf)
+        p.extras.update({"input_images_per_sec_per_core": rate.images_per_sec_per_core,
+                         "input_cores_needed_per_chip": v.cores_needed_per_chip,
+                         "input_cores_free_per_chip": free,
+                         "input_feeds": v.feeds if free is not None else None,
+                         "epoch_time_imagenet_h": v.epoch_time_imagenet_h if free is not None else None,
+                         "epoch_bound": v.bound if free is not None else None})
+
+
 def input_bound(metrics: Mapping[str, Any]) -> bool:
     """Whether a measured point waited for data longer than :data:`INPUT_BOUND_FRACTION` of its steps."""
     wait = number(metrics.get("data_wait_fraction"))

@@ -50,7 +50,10 @@ def sweep_profile(cfg, rows: list[dict], links: Optional[dict]) -> HardwareProfi
         measured = links or {}
         accelerator = (next((r.get("accelerator") for r in rows if r.get("accelerator")), None)
                        or measured.get("device_name") or "unknown GPU")
-        profile = profile_for_accelerator(accelerator, measured.get("device_memory_bytes"))
+        # The device's memory picks the variant (A100 40 or 80 GB): every point records it.
+        memory_bytes = (next((r.get("device_memory_bytes") for r in rows if r.get("device_memory_bytes")), None)
+                        or measured.get("device_memory_bytes"))
+        profile = profile_for_accelerator(accelerator, memory_bytes)
     else:
         profile = cpu_profile(chips_per_node=max(2, cfg.parallel.num_workers))
     return with_measured_links(profile, links) if links else profile

@@ -2,6 +2,8 @@
 
 - :func:`saved_bytes_per_image` (any device): bytes of the distinct storages autograd saves for backward
   during one forward of the ViT, per image: exactly what the analytic activation count describes.
+- :func:`saved_bytes_slope` (any device, any strategy, 1 or more ranks): the same inside a training
+  session's wrapped model, per image as a slope over two batch sizes.
 - :func:`allocator_check` (CUDA): ``torch.cuda.max_memory_allocated`` over a training step at two batch
   sizes; the slope per image is compared with the modelled activations per image, the peak with the
   modelled total (state + activations + transient). ``experiments/gpu_check.py`` runs it.
@@ -38,6 +40,31 @@ def saved_bytes_per_image(cfg: Config, device, batch: int = 4) -> float:
         logits = model(precision.cast_inputs(images))
         torch.nn.functional.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long, device=device))
     return sum(seen.values()) / batch
+
+
+def saved_bytes_slope(session, batches: tuple[int, int] = (2, 6)) -> float:
+    """Bytes autograd saves per image in one forward of a training ``Session``'s wrapped model (its
+    strategy, precision and activation checkpointing), as the slope over two batch sizes: what does not
+    grow with the batch (weights, FSDP's gathered parameters) cancels. Every rank of a group calls it."""
+    import torch
+
+    saved = {}
+    for batch in batches:
+        size = session.cfg.model.image_size
+        images = torch.randn(batch, 3, size, size, device=session.device)
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), session.precision.autocast():
+            logits = session.forward(session.precision.cast_inputs(images))
+        del logits
+        saved[batch] = sum(seen.values())
+    lo, hi = batches
+    return (saved[hi] - saved[lo]) / (hi - lo)
 
 
 def allocator_check(cfg: Config, device, batches: tuple[int, int] = (8, 24), steps: int = 3) -> dict[str, Any]:

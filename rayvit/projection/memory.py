@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rayvit.models import vit_complexity
 from rayvit.config import Config
+from rayvit.models import vit_complexity
+from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.projection.costs import Layout, StateBytes
 from rayvit.projection.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
@@ -33,17 +34,20 @@ def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Op
 
 
 def activation_bytes_per_image(cfg: Config, *, layer_norm_fp32: Optional[bool] = None,
-                               attention: str = "flash") -> dict[str, float]:
+                               attention: Optional[str] = None) -> dict[str, float]:
     """Bytes saved for backward per image, by part, for the ViT's own forward (``models/vit.py``).
 
     Per block, in elements of s x h (s tokens, h width, m MLP width): LayerNorm inputs (2, residual dtype,
     or fp32 copies when LayerNorm runs in fp32 on half inputs), the qkv input (1), q/k/v (3, views of one
     qkv output), the attention output (1) and its copy into the projection's layout (1), the MLP input (1),
     the GELU input and output (2 m/h); plus LayerNorm statistics and attention's log-sum-exp (fp32).
-    ``attention="math"`` adds the softmax matrix (heads x s x s). Dropout at p=0 saves nothing.
+    ``attention="math"`` adds the softmax matrix (heads x s x s). Dropout at p=0 saves nothing. Under
+    ``model.activation_checkpointing`` a checkpointed block keeps only its input (s x h), and one block's
+    activations are added for the block being recomputed in backward.
     """
     m, dt = cfg.model, Dtypes.of(cfg, layer_norm_fp32)
     s, h, c = sequence_length(m), m.hidden_dim, dt.compute
+    attention = attention or ("math" if m.attention == "math" else "flash")
     ln_in = FULL if dt.layer_norm_fp32 else dt.residual
     per_block = {
         "layernorm_inputs": 2 * s * h * ln_in,
@@ -54,12 +58,25 @@ def activation_bytes_per_image(cfg: Config, *, layer_norm_fp32: Optional[bool] =
         "mlp_hidden": 2 * s * m.mlp_dim * c,                  # GELU input and output
     }
     if attention == "math":
-        per_block["attention_matrix"] = m.num_heads * s * s * c
-    parts = {k: v * m.depth for k, v in per_block.items()}
+        # model.attention=math: the scaled q (q k^T's input; SDPA's saved output is not kept), the fp32
+        # softmax's output (its backward needs it) and, in half precision, its half copy (p v's input).
+        per_block["attention_out"] = s * h * c
+        per_block["attention_matrix"] = m.num_heads * s * s * (FULL + (c if c != FULL else 0))
+    # Activation checkpointing: a checkpointed block keeps only its input; during backward one block's
+    # activations exist again while it is recomputed.
+    kept = m.depth - len(checkpointed_blocks(m))
+    parts = {k: v * kept for k, v in per_block.items()}
+    if kept < m.depth:
+        parts["checkpointed_block_inputs"] = (m.depth - kept) * s * h * dt.residual
+        parts["recomputed_block"] = float(sum(per_block.values()))
     image_bytes = FULL if dt.mode in ("fp32", "amp") else dt.compute
     parts["stem_input"] = 3 * m.image_size ** 2 * (image_bytes if dt.mode != "amp" else dt.compute)
     parts["final_norm"] = s * h * ln_in + 2 * s * FULL
-    parts["head"] = h * c + m.num_classes * FULL * 2          # head input; fp32 logits and log-softmax
+    # The head's input: the pooled mean (h), or the class token's row, a view of the final norm's output
+    # whose whole storage (s x h) autograd keeps unless autocast's cast to half copied the row out first.
+    autocast = dt.mode == "amp" or dt.layer_norm_fp32
+    row_view = m.classifier == "token" and not autocast
+    parts["head"] = (s * h * ln_in if row_view else h * c) + m.num_classes * FULL * 2   # + fp32 logits, log-softmax
     return parts
 
 
@@ -110,7 +127,7 @@ class MemoryBreakdown:
 
 def memory(cfg: Config, world: Optional[int] = None, profile: Optional[HardwareProfile] = None, *,
            batch: Optional[int] = None, layer_norm_fp32: Optional[bool] = None,
-           attention: str = "flash") -> MemoryBreakdown:
+           attention: Optional[str] = None) -> MemoryBreakdown:
     """Peak bytes per rank for ``cfg`` at ``world`` chips, and whether it fits ``profile``'s chip."""
     world = world or cfg.parallel.num_workers
     parts = activation_bytes_per_image(cfg, layer_norm_fp32=layer_norm_fp32, attention=attention)

@@ -1,30 +1,32 @@
 """Hardware profiles: what a chip computes, holds and moves, with where each number comes from.
 
-A profile names its chip by the key of ``rayvit.worker.hardware.PEAK_TFLOPS`` (the one table of dense peaks;
-add chips there, not here). Links are described the way nccl-tests reports them: a *bus bandwidth*
-(``busbw``: the per-rank rate a collective's bottleneck link sustains, independent of the rank count;
+A profile names its chip by the key of ``rayvit.accelerators.PEAK_TFLOPS`` (the one table of dense peaks
+and of the roofline's per-chip figures, ``CHIPS``; add chips there, not here). Links are described the way
+nccl-tests reports them: a *bus bandwidth* (``busbw``: the per-rank rate a collective's bottleneck link sustains, independent of the rank count;
 all-reduce time = 2(n-1)/n x bytes / busbw, all-gather and reduce-scatter (n-1)/n x bytes / busbw,
 broadcast and reduce 1 x bytes / busbw, see nccl-tests doc/PERFORMANCE.md) plus a per-message latency.
 A ring across nodes is bound by each node's network bandwidth, so the inter-node busbw is the node's NIC
 total; a collective over more chips than a node holds runs at the slower of NVLink and that.
 
-Every efficiency below is a stated assumption, not fitted to any measurement of rayvit.
+Every efficiency below is a stated assumption or a published measurement (named beside it), not fitted to
+any measurement of rayvit or to any published training run.
 
 :func:`profile_for_accelerator` picks the profile for a run's ``accelerator`` condition (the names
-``rayvit.worker.hardware.accelerator_for_name`` returns): every known GPU variant has its own, the A100
-and V100 chosen by their memory size; a GPU not in the table gets :func:`generic_gpu_profile` with a
-warning; only CPU runs get :func:`cpu_profile`.
+``rayvit.accelerators.accelerator_for_name`` returns): every known GPU variant has its own, the A100, V100
+and GH200 chosen by their memory size (every run records it as its ``device_memory_bytes`` condition); a
+GPU not in the table gets :func:`generic_gpu_profile` with a warning; only CPU runs get :func:`cpu_profile`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rayvit.accelerators import PEAK_TFLOPS
 from rayvit.config import ConfigError
-from rayvit.worker.hardware import PEAK_TFLOPS
 
 GB = 1e9
 GIB = 2 ** 30
@@ -44,6 +46,9 @@ class Link:
     latency_s: float
     source: str = ""
     wait_curve: tuple = ()
+    # What carries it, for NCCL's cost model (rayvit.projection.nccl): 'nvlink', 'pci' or 'net'; empty for
+    # gloo and measured links, which keep their own latency.
+    hw: str = ""
 
     def wait_s(self, gap_s: Optional[float]) -> float:
         """The wait of a collective issued ``gap_s`` of compute after the previous one.
@@ -80,6 +85,19 @@ class HardwareProfile:
     # Fraction of forward/backward compute time that can hide communication issued during it
     # (separate NCCL streams on GPUs; 0 where the collective and the compute share one core).
     overlap: float = 0.9
+    # Fraction of ``memory_bw`` streaming kernels reach (elementwise ops, the optimizer): copy benchmarks
+    # reach ~90% of an HBM data sheet's figure; eager PyTorch's elementwise kernels less. 0.8 assumed.
+    memory_efficiency: float = 0.8
+    # Spread of chips' sustained speed (coefficient of variation): "5% and higher differences on an 8-gpu
+    # node" between GPUs of one SKU (stas00/ml-engineering, compute/accelerator, "Not all accelerators are
+    # created equal": silicon lottery, cooling); the expected range of 8 normal draws is 2.85 sigma, so
+    # sigma = 5% / 2.85 = 1.75%. Every synchronous step waits for the slowest of N chips (performance.
+    # straggler_s). 0 where measured links carry the host's own wait (CPUs).
+    speed_cv: float = 0.0175
+    # Each kernel's launch gap on the device, and the host's dispatch time per eager op (PyTorch's
+    # Python + dispatcher overhead, ~5-10 us per op on data-center CPUs); assumptions of the roofline.
+    kernel_gap_s: float = 2e-6
+    host_op_s: float = 8e-6
     # Per-tensor cost of an optimizer step beyond its bytes (kernel launches), seconds, per optim.impl.
     per_tensor_s: dict = field(default_factory=lambda: {"loop": 40e-6, "foreach": 2e-6, "fused": 1e-6})
     # Memory a process cannot use for tensors: CUDA context, cuBLAS/NCCL workspaces (GiB), and the
@@ -95,6 +113,7 @@ class HardwareProfile:
     # node count they were measured at (see :func:`with_measured_links`).
     measured: dict = field(default_factory=dict)
     measured_nodes: int = 0
+    measured_ranks: int = 0
     source: str = ""
     # PCIe cards joined by an NVLink bridge (H100 NVL pairs, H200 NVL up to four): a collective over at
     # most ``bridge_chips`` chips runs over the bridge; larger ones over ``intra`` (PCIe).
@@ -122,14 +141,33 @@ class HardwareProfile:
             return self.bridge
         if nodes == 1:
             return self.intra
-        slow = self.inter if self.inter.busbw < self.intra.busbw else self.intra
-        return Link(slow.busbw, max(self.intra.latency_s, self.inter.latency_s), slow.source)
+        inter = dataclasses.replace(self.inter, busbw=self.inter.busbw * network_load_factor(nodes))
+        slow = inter if inter.busbw < self.intra.busbw else self.intra
+        return Link(slow.busbw, max(self.intra.latency_s, inter.latency_s), slow.source, hw=self.inter.hw and "net")
+
+    def intra_hw(self, chips: int) -> str:
+        """What carries a collective's hops inside a node (NCCL's intra-node hop latency)."""
+        if self.bridge is not None and chips <= self.bridge_chips:
+            return self.bridge.hw
+        return self.intra.hw
 
     def usable_bytes(self) -> float:
         return (self.memory_gib - self.reserved_gib) * GIB * (1 - self.fragmentation)
 
     def replace(self, **changes) -> "HardwareProfile":
         return dataclasses.replace(self, **changes)
+
+
+# The network's efficiency under load: a ring across more nodes crosses more switch hops and shares more
+# uplinks; with ECMP hashing, flows collide on some of them. Assumed: each doubling of nodes beyond two
+# loses 2% of the achievable bus bandwidth (no fabric-wide measurement of ours; adaptive routing on NDR
+# InfiniBand or EFA's packet spraying lose less, an oversubscribed Ethernet fabric more).
+NET_LOAD_LOSS = 0.02
+
+
+def network_load_factor(nodes: int) -> float:
+    """Fraction of the 2-node bus bandwidth a ring over ``nodes`` nodes achieves."""
+    return 1.0 if nodes <= 2 else max(0.5, 1.0 - NET_LOAD_LOSS * math.log2(nodes / 2))
 
 
 def with_measured_links(profile: HardwareProfile, links: dict) -> HardwareProfile:
@@ -141,7 +179,8 @@ def with_measured_links(profile: HardwareProfile, links: dict) -> HardwareProfil
     measured = {k: Link(v["busbw"], v.get("transfer_latency_s", v["latency_s"]) if curve else v["latency_s"],
                         source, curve)
                 for k, v in links.get("collectives", {}).items() if v.get("busbw")}
-    changes = dict(measured=measured, measured_nodes=int(links.get("nodes", 1)))
+    changes = dict(measured=measured, measured_nodes=int(links.get("nodes", 1)),
+                   measured_ranks=int(links.get("world_size", 0)))
     paths = {k: float(v) for k, v in (links.get("collective_path_s") or {}).items() if v is not None}
     if paths:
         changes["collective_path_s"] = paths
@@ -163,26 +202,35 @@ _NVLINK_EFF = 0.75
 _NET_EFF = 0.8
 # Latencies: a few microseconds per NVLink hop and ~10 us per network hop; NCCL's small-message
 # all-reduce on one 8-GPU node is ~15-25 us, across nodes ~30-60 us. Stated, not measured here.
-_NVLINK_A100 = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink 3: 300 GB/s each way x 0.75")
-_NVLINK_H = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink 4: 450 GB/s each way x 0.75")
-_EFA_P4 = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s EFA per node x 0.8")
-_IB_8X400 = Link(400 * GB * _NET_EFF, 40e-6, "8 x 400 Gb/s InfiniBand per node x 0.8")
+_NVLINK_A100 = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink 3: 300 GB/s each way x 0.75", hw="nvlink")
+_NVLINK_H = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink 4: 450 GB/s each way x 0.75", hw="nvlink")
+_EFA_P4 = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s EFA per node x 0.8", hw="net")
+_IB_8X400 = Link(400 * GB * _NET_EFF, 40e-6, "8 x 400 Gb/s InfiniBand per node x 0.8", hw="net")
+# DGX A100: 8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute traffic = 200 GB/s per node (DGX
+# A100 data sheet / user guide), the fabric of NVIDIA's DGX SuperPOD.
+_IB_8X200 = Link(200 * GB * _NET_EFF, 40e-6, "8 x 200 Gb/s HDR InfiniBand per node x 0.8", hw="net")
+# GH200 in one-superchip nodes (NVIDIA MGX GH200 servers) with one 400 Gb/s ConnectX-7 each (assumed: NVL32
+# racks and 4-superchip blades have other fabrics; the sweep's microbenchmark measures them).
+_NET_GH200 = Link(400 / 8 * GB * _NET_EFF, 40e-6, "1 x 400 Gb/s InfiniBand per superchip x 0.8 (assumed)", hw="net")
 # V100 SXM2: NVLink 2, 6 links x 25 GB/s each way = 150 GB/s each way per GPU in the hybrid cube-mesh of
 # p3 / DGX-1 ("NVIDIA Tesla V100 GPU Architecture" whitepaper). AWS p3.16xlarge: 25 Gb/s networking,
 # p3dn.24xlarge: 100 Gb/s (AWS EC2 P3 instance page).
-_NVLINK_V100 = Link(150 * GB * _NVLINK_EFF, 20e-6, "NVLink 2 hybrid cube-mesh: 150 GB/s each way x 0.75")
-_ENA_P3 = Link(25 / 8 * GB * _NET_EFF, 50e-6, "25 Gb/s per node (p3.16xlarge) x 0.8")
-_EFA_P3DN = Link(100 / 8 * GB * _NET_EFF, 50e-6, "100 Gb/s EFA per node (p3dn.24xlarge) x 0.8")
+_NVLINK_V100 = Link(150 * GB * _NVLINK_EFF, 20e-6, "NVLink 2 hybrid cube-mesh: 150 GB/s each way x 0.75",
+                    hw="nvlink")
+_ENA_P3 = Link(25 / 8 * GB * _NET_EFF, 50e-6, "25 Gb/s per node (p3.16xlarge) x 0.8", hw="net")
+_EFA_P3DN = Link(100 / 8 * GB * _NET_EFF, 50e-6, "100 Gb/s EFA per node (p3dn.24xlarge) x 0.8", hw="net")
 # PCIe cards (H100 PCIe, H100 NVL, H200 NVL): PCIe Gen5 x16, 128 GB/s both ways = 64 GB/s each way (the
 # data sheets); a ring over the cards of one server crosses PCIe switches and, often, the CPU's root
 # complexes, so the same 0.75 is assumed. The NVL cards' NVLink bridges: H100 NVL 600 GB/s per pair
 # (300 each way), H200 NVL 900 GB/s (450 each way) over a 2- or 4-way bridge (H100 / H200 data sheets).
 # PCIe servers have no standard network: 4 x 100 Gb/s is assumed, as on p4d; the sweep's
 # microbenchmark replaces it with what the cluster measures.
-_PCIE_GEN5 = Link(64 * GB * _NVLINK_EFF, 25e-6, "PCIe Gen5 x16: 64 GB/s each way x 0.75")
-_BRIDGE_H100_NVL = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H100 NVL pair): 300 GB/s each way x 0.75")
-_BRIDGE_H200_NVL = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H200 NVL, 4-way): 450 GB/s each way x 0.75")
-_NET_PCIE_SERVER = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s per node x 0.8 (assumed)")
+_PCIE_GEN5 = Link(64 * GB * _NVLINK_EFF, 25e-6, "PCIe Gen5 x16: 64 GB/s each way x 0.75", hw="pci")
+_BRIDGE_H100_NVL = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H100 NVL pair): 300 GB/s each way x 0.75",
+                        hw="nvlink")
+_BRIDGE_H200_NVL = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H200 NVL, 4-way): 450 GB/s each way x 0.75",
+                        hw="nvlink")
+_NET_PCIE_SERVER = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s per node x 0.8 (assumed)", hw="net")
 
 PROFILES: dict[str, HardwareProfile] = {
     # V100 SXM2 16 / 32 GB: HBM2 900 GB/s (V100 data sheet); AWS p3.16xlarge / p3dn.24xlarge, 8 GPUs.
@@ -196,6 +244,9 @@ PROFILES: dict[str, HardwareProfile] = {
     # A100 80 GB SXM4: HBM2e 2,039 GB/s (A100 data sheet); AWS p4de.24xlarge: same fabric as p4d.
     "a100-80gb": HardwareProfile("a100-80gb", "A100", 80.0, 2039 * GB, 8, _NVLINK_A100, _EFA_P4,
                                  source="A100 SXM4 80GB on AWS p4de.24xlarge"),
+    # DGX A100 (80 GB): A100 SXM4 80 GB, NVSwitch, 8 x 200 Gb/s HDR InfiniBand (DGX SuperPOD).
+    "dgx-a100": HardwareProfile("dgx-a100", "A100", 80.0, 2039 * GB, 8, _NVLINK_A100, _IB_8X200,
+                                source="A100 SXM4 80GB, DGX A100 fabric (8 x 200 Gb/s HDR)"),
     # H100 SXM5 80 GB: HBM3 3.35 TB/s (H100 data sheet); DGX H100: 8 x 400 Gb/s InfiniBand.
     "h100-sxm": HardwareProfile("h100-sxm", "H100", 80.0, 3350 * GB, 8, _NVLINK_H, _IB_8X400,
                                 source="H100 SXM5 80GB, DGX H100 fabric"),
@@ -213,6 +264,12 @@ PROFILES: dict[str, HardwareProfile] = {
     "h200-nvl": HardwareProfile("h200-nvl", "H200 NVL", 141.0, 4800 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
                                 bridge=_BRIDGE_H200_NVL, bridge_chips=4,
                                 source="H200 NVL 141GB, 8 cards on PCIe Gen5, 4-way NVLink bridges"),
+    # GH200: the Hopper GPU of a Grace Hopper superchip, 96 GB HBM3 at 4 TB/s (GH200 480GB) or 144 GB
+    # HBM3e at 4.9 TB/s (GH200 data sheet), one superchip per node.
+    "gh200": HardwareProfile("gh200", "GH200", 96.0, 4000 * GB, 1, _NET_GH200, _NET_GH200,
+                             source="GH200 96GB HBM3, one superchip per node, 400 Gb/s"),
+    "gh200-144gb": HardwareProfile("gh200-144gb", "GH200", 144.0, 4900 * GB, 1, _NET_GH200, _NET_GH200,
+                                   source="GH200 144GB HBM3e, one superchip per node, 400 Gb/s"),
 }
 
 # The profiles of each ``PEAK_TFLOPS`` chip, by the smallest device memory (GiB) each is chosen from:
@@ -225,11 +282,16 @@ _BY_CHIP: dict[str, list[tuple[float, str]]] = {
     "H100 NVL": [(0.0, "h100-nvl")],
     "H200": [(0.0, "h200")],
     "H200 NVL": [(0.0, "h200-nvl")],
+    "GH200": [(0.0, "gh200"), (120.0, "gh200-144gb")],
 }
 
 
 class UnknownAcceleratorWarning(UserWarning):
     """A GPU without a profile of its own is projected with :func:`generic_gpu_profile`."""
+
+
+class UnknownMemoryWarning(UserWarning):
+    """A chip sold with several memory sizes was named without its memory size: the smallest is assumed."""
 
 
 def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_node: int = 2) -> HardwareProfile:
@@ -239,11 +301,13 @@ def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_n
     The per-tensor optimizer cost is Python/dispatcher overhead on CPU (tens of microseconds).
     """
     gloo = Link(0.7 * GB, 1e-3, "gloo on one host (measured on a 2-core host: 0.6-0.9 GB/s, ~1 ms)")
+    # speed_cv 0: on CPUs the measured links carry the host's wait for the slowest rank itself; the memory
+    # bandwidth is the measured copy rate (memory_efficiency 1).
     # compute_efficiency: share of a 1024^2 matmul's rate a tiny ViT's step reaches on one core (its
     # matmuls are small and its elementwise work uncounted); 0.3 is assumed, used only when no
     # single-chip rate was measured.
     return HardwareProfile("cpu", None, memory_gib, memory_bw, chips_per_node, gloo, gloo,
-                           compute_efficiency=0.3, overlap=0.0,
+                           compute_efficiency=0.3, overlap=0.0, memory_efficiency=1.0, speed_cv=0.0,
                            per_tensor_s={"loop": 60e-6, "foreach": 30e-6, "fused": 30e-6},
                            reserved_gib=0.0, fragmentation=0.0, source="local CPU workers, gloo")
 
@@ -255,8 +319,8 @@ def generic_gpu_profile(name: str, memory_bytes: Optional[float] = None) -> Hard
     Stated assumptions: 8 cards per node on PCIe Gen4 x16 (32 GB/s each way x 0.75), 100 Gb/s of network
     per node, 1 TB/s of memory bandwidth, 16 GiB when the memory size is not known; GPU overlap (0.9).
     """
-    pcie4 = Link(32 * GB * _NVLINK_EFF, 25e-6, "PCIe Gen4 x16: 32 GB/s each way x 0.75 (assumed)")
-    net = Link(100 / 8 * GB * _NET_EFF, 50e-6, "100 Gb/s per node x 0.8 (assumed)")
+    pcie4 = Link(32 * GB * _NVLINK_EFF, 25e-6, "PCIe Gen4 x16: 32 GB/s each way x 0.75 (assumed)", hw="pci")
+    net = Link(100 / 8 * GB * _NET_EFF, 50e-6, "100 Gb/s per node x 0.8 (assumed)", hw="net")
     memory_gib = memory_bytes / GIB if memory_bytes else 16.0
     return HardwareProfile("gpu", name, memory_gib, 1000 * GB, 8, pcie4, net,
                            source=f"{name}: generic GPU profile ({memory_gib:.0f} GiB"
@@ -276,19 +340,24 @@ def get_profile(name: str) -> HardwareProfile:
 def profile_for_accelerator(accelerator: Optional[str], memory_bytes: Optional[float] = None) -> HardwareProfile:
     """The profile for a measured run's ``accelerator`` condition ('A100', 'H100 NVL', 'cpu', ...).
 
-    ``memory_bytes``: the device's memory (``torch.cuda.get_device_properties(d).total_memory``), which
-    tells an A100 40 GB from an 80 GB and a V100 16 GB from a 32 GB (without it: the smaller). Any other
-    GPU name gets :func:`generic_gpu_profile` and an :class:`UnknownAcceleratorWarning`; ``None`` or
+    ``memory_bytes``: the device's memory (the run's ``device_memory_bytes`` condition, CUDA's
+    ``total_memory``), which tells an A100 40 GB from an 80 GB, a V100 16 GB from a 32 GB and a GH200 96 GB
+    from a 144 GB. Without it the smallest variant is taken, with an :class:`UnknownMemoryWarning`. Any
+    other GPU name gets :func:`generic_gpu_profile` and an :class:`UnknownAcceleratorWarning`; ``None`` or
     ``'cpu'`` the CPU profile.
     """
     if accelerator is None or accelerator.lower() == "cpu":
         return cpu_profile()
     choices = _BY_CHIP.get(accelerator)
     if choices:
+        if not memory_bytes and len(choices) > 1:
+            warnings.warn(f"{accelerator} comes with several memory sizes and none was given: projecting with "
+                          f"{choices[0][1]}; results record the device's memory as device_memory_bytes",
+                          UnknownMemoryWarning, stacklevel=2)
         gib = memory_bytes / GIB if memory_bytes else 0.0
         return PROFILES[[name for least, name in choices if gib >= least][-1]]
     profile = generic_gpu_profile(accelerator, memory_bytes)
     warnings.warn(f"no hardware profile for GPU {accelerator!r}: projecting with a generic GPU profile "
-                  f"({profile.source}); add the chip to rayvit.worker.hardware.PEAK_TFLOPS and a profile to "
+                  f"({profile.source}); add the chip to rayvit.accelerators (PEAK_TFLOPS, CHIPS) and a profile to "
                   f"rayvit.projection.profiles for figures of its own", UnknownAcceleratorWarning, stacklevel=2)
     return profile

@@ -11,7 +11,7 @@ from rayvit.projection.performance import Projection
 
 GIB = 2 ** 30
 HEADER = ["chips", "strategy", "step ms", "img/s/chip", "TFLOPS/chip", "MFU", "vs DDP", "scaling eff.",
-          "dominant", "comm ms (exposed)", "opt ms", "mem GiB/rank", "fits", "max batch"]
+          "dominant", "comm ms (exposed)", "opt ms", "stragglers ms", "mem GiB/rank", "fits", "max batch"]
 
 
 def row_cells(p: Projection) -> list[str]:
@@ -21,7 +21,7 @@ def row_cells(p: Projection) -> list[str]:
             f"{p.tflops_per_chip:.4g}", _f(p.mfu, ".1%"), _f(p.vs_ddp, ".2f", "x"),
             _f(p.scaling_efficiency, ".0%"), p.dominant,
             f"{p.comm_s * 1e3:.1f} ({p.exposed_comm_s * 1e3:.1f})", f"{p.optimizer_s * 1e3:.1f}",
-            f"{m.total / GIB:.2f}", fits, _f(m.max_batch, ".0f")]
+            f"{p.straggler_s * 1e3:.1f}", f"{m.total / GIB:.2f}", fits, _f(m.max_batch, ".0f")]
 
 
 def format_table(points: Iterable[Projection]) -> str:

@@ -64,8 +64,8 @@ def vit_tensors(cfg: ModelConfig) -> list[Tensor]:
     # nn.Module.parameters() yields a module's own parameters before its submodules'.
     tensors = []
     if cfg.classifier == "token":
-        tensors.append(Tensor("class_token", (1, 1, d), ROOT_UNIT, no_decay=True))
-    tensors.append(Tensor("pos_embed", (1, sequence_length(cfg), d), ROOT_UNIT, no_decay=True))
+        tensors.append(Tensor("class_token", (d,), ROOT_UNIT, no_decay=True))
+    tensors.append(Tensor("pos_embed", (sequence_length(cfg), d), ROOT_UNIT, no_decay=True))
     tensors += _stem(cfg)
     for i in range(cfg.depth):
         unit = f"blocks.{i}"

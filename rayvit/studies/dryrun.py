@@ -51,8 +51,10 @@ def describe_search(study: Study, plan: Optional[SearchPlan] = None) -> str:
              f"each trial: {cfg.model.name} {cfg.model.image_size}px (as set), {cfg.parallel.strategy} on {chips} "
              f"{unit}(s), batch {cfg.train.batch_size}/{unit}, {cfg.train.steps} steps, data {cfg.data.name}; "
              f"resources per trial: " + ", ".join(f"{k} {v:g}" for k, v in sorted(resources_for(cfg).items())),
-             f"projection: {profile.name} ({profile.source}); compute from the chip's peak x efficiency "
-             f"{profile.compute_efficiency:g} (nothing measured yet: the screen measures it)"]
+             f"projection: {profile.name} ({profile.source}); compute from "
+             + ("the chip's op-level roofline" if profile.accelerator else
+                f"a timed matmul rate x efficiency {profile.compute_efficiency:g}")
+             + " (nothing measured yet: the screen measures it)"]
     points = [("baseline", plan.baseline.setting, plan.baseline.cfg)] + \
              [(p.key, p.setting, p.cfg) for p in plan.candidates()]
     header = f"  {'trial':<9} {'setting':<44} {'step ms':>8} {'img/s/' + unit:>13} {'TFLOPS/' + unit:>13} " \

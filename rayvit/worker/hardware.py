@@ -8,44 +8,11 @@ from typing import Optional
 
 import torch
 
-# Dense (no sparsity) peak TFLOP/s per dtype, from NVIDIA's data sheets (the sheets' larger Tensor Core
-# figures are with 2:4 sparsity, twice these):
-#   V100 SXM2: "NVIDIA Tesla V100 GPU Architecture" whitepaper (15.7 fp32, 125 fp16 tensor; no bf16 units).
-#   A100 SXM4: "NVIDIA A100 Tensor Core GPU" data sheet (19.5 fp32, 156 tf32, 312 fp16/bf16); the PCIe
-#   cards have the same figures.
-#   H100 SXM5: "NVIDIA H100 Tensor Core GPU" data sheet (67 fp32, 494.7 tf32, 989.4 fp16/bf16).
-#   H100 PCIe: "NVIDIA H100 Tensor Core GPU Architecture" whitepaper, H100 PCIe column (51.2 fp32,
-#   378 tf32, 756 fp16/bf16; 756/1,513 with sparsity): fewer SMs (114) at lower clocks and 350 W.
-#   H100 NVL: "NVIDIA H100 Tensor Core GPU" data sheet, H100 NVL column, per GPU (60 fp32, 835 tf32 and
-#   1,671 fp16/bf16 with sparsity, so 417.5 and 835.5 dense).
-#   H200 SXM: "NVIDIA H200 Tensor Core GPU" data sheet, same compute as H100 SXM (more, faster memory).
-#   H200 NVL: "NVIDIA H200 Tensor Core GPU" data sheet, H200 NVL column (60 fp32, 835 tf32 and 1,671
-#   fp16/bf16 with sparsity): the PCIe card at up to 600 W, same compute as the H100 NVL.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "V100": {"fp32": 15.7, "tf32": 15.7, "fp16": 125.0, "bf16": 15.7},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0},
-    "H100": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    "H100 PCIe": {"fp32": 51.2, "tf32": 378.0, "fp16": 756.0, "bf16": 756.0},
-    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
-    "H200": {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4},
-    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "fp16": 835.5, "bf16": 835.5},
-}
+# The data-sheet peaks and CUDA-name matching live in the torch-free ``rayvit.accelerators`` (the projection
+# and config validation read them without torch); re-exported here for the runtime.
+from rayvit.accelerators import PEAK_TFLOPS, accelerator_for_name  # noqa: F401
+
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
-def accelerator_for_name(device_name: str) -> Optional[str]:
-    """The ``PEAK_TFLOPS`` entry for a CUDA device name, or None for a chip the table does not know.
-
-    CUDA names the SXM parts without a suffix ('NVIDIA H100 80GB HBM3', 'NVIDIA H200') and the cards with
-    one ('NVIDIA H100 PCIe', 'NVIDIA H100 NVL', 'NVIDIA H200 NVL'): variants are matched first, so a card
-    never gets its SXM sibling's figures.
-    """
-    name = device_name.upper()
-    for known in sorted(PEAK_TFLOPS, key=len, reverse=True):      # "H100 NVL" before "H100"
-        chip, _, variant = known.upper().partition(" ")
-        if chip in name and (not variant or variant in name):
-            return known
-    return None
 
 
 def accelerator_name(device: torch.device) -> str:
@@ -54,6 +21,14 @@ def accelerator_name(device: torch.device) -> str:
         name = torch.cuda.get_device_name(device)
         return accelerator_for_name(name) or name
     return "cpu"
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """The device's total memory (CUDA's ``total_memory``: it tells an A100 40 GB from an 80 GB), or None
+    off CUDA, where no device memory bounds a run."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -318,6 +318,8 @@ class Session:
             "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
             "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
+            # Picks the projection's hardware profile variant (A100 40 GB or 80 GB): None on CPU.
+            "device_memory_bytes": hardware.device_memory_bytes(self.device),
             "peak_source": peak_source, "data": self.cfg.data.name,
             "memory_measure": hardware.memory_measure(self.device),
             # Like for like: the dtype gradients were reduced in, and whether LayerNorm stayed fp32.

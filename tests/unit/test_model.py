@@ -91,3 +91,20 @@ def test_flops_grow_with_image_size():
     large = vit_complexity(load_config(overrides=["model.name=vit_b16", "model.image_size=256"]).model)
     assert small.flops == pytest.approx(35.13e9, rel=0.01)      # ViT-B/16: 17.6 GMACs at 224 px
     assert large.flops > small.flops * (256 / 224) ** 2
+
+
+def test_position_embedding_shards_a_real_dimension_and_old_checkpoints_load():
+    """pos_embed is (S, d) and the class token (d,): FSDP2 shards dim 0, which a leading 1 made N padded
+    rows. A state dict written with the old (1, S, d) and (1, 1, d) shapes still loads, unchanged."""
+    from rayvit.config import load_config
+    from rayvit.models import build_model
+
+    cfg = load_config(None, ["model.classifier=token"]).model
+    model = build_model(cfg)
+    s = (cfg.image_size // cfg.patch_size) ** 2 + 1
+    assert tuple(model.pos_embed.shape) == (s, cfg.hidden_dim) and tuple(model.class_token.shape) == (cfg.hidden_dim,)
+    old = {k: v.reshape(1, *v.shape) if k == "pos_embed" else v.reshape(1, 1, -1) if k == "class_token" else v
+           for k, v in model.state_dict().items()}
+    fresh = build_model(cfg)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.pos_embed, model.pos_embed) and torch.equal(fresh.class_token, model.class_token)

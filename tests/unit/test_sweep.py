@@ -71,9 +71,13 @@ def test_the_ladders_last_rung_compiles_on_top_of_every_other():
     two = plan(load_study(CONFIGS / "ladder_cpu.yaml", ["sweep.rungs=baseline,compile"]))
     assert [(p.series, p.cfg.parallel.strategy, p.cfg.precision.mode, p.cfg.model.compile) for p in two] == [
         ("baseline", "ddp", "fp32", False), ("compile", "fsdp", "pure", True)]
-    # The study's GPU ladder gets the rung too.
+    # The study's GPU ladder gets the rung too, and then activation checkpointing on top of everything (a
+    # memory rung: what recomputing every block costs once every optimization is in).
     gpu = plan(load_study(CONFIGS / "study_a100.yaml", ["sweep.mode=ladder", "precision.mode=amp"]))
-    assert gpu[-1].series == "compile" and gpu[-1].cfg.model.compile
+    compiled = next(p for p in gpu if p.series == "compile")
+    assert compiled.cfg.model.compile and compiled.cfg.model.activation_checkpointing == "none"
+    assert gpu[-1].series == "activation_checkpointing" and gpu[-1].cfg.model.compile
+    assert gpu[-1].cfg.replace({"model.activation_checkpointing": "none"}) == compiled.cfg
 
 
 def test_plan_errors_name_the_problem():

@@ -75,6 +75,8 @@ class Strategy:
     compile_mode: ClassVar[str] = "blocks"
     # Why this strategy cannot run under ``model.compile`` (config validation refuses it), or None.
     compile_unsupported: ClassVar[Optional[str]] = None
+    # Why this strategy cannot run ``model.activation_checkpointing`` (config validation refuses it), or None.
+    checkpointing_unsupported: ClassVar[Optional[str]] = None
     # Parameters are DTensors once wrapped (FSDP2): fused optimizers need DTensor rules for their ops.
     dtensor_params: ClassVar[bool] = False
     # Where ``rayvit gpu-check`` sees the dtype half gradients are reduced in at one rank: (module, function,
@@ -149,9 +151,25 @@ class Strategy:
         Weight decay is decided on the unwrapped model, where every tensor still has its shape and name.
         """
         plan = weight_decay_plan(model)
+        self.checkpoint_blocks(model)
         self.compile_blocks(model)
         model = self.wrap(model)
         return model, self.build_optimizer(model, plan)
+
+    def checkpoint_blocks(self, model: nn.Module) -> list[int]:
+        """Under ``model.activation_checkpointing``: the chosen encoder blocks wrapped, in place, before
+        compiling and wrapping (torchtitan's order: checkpoint, compile, shard), with
+        :meth:`checkpoint_wrapper`."""
+        from rayvit.models.checkpointing import apply_activation_checkpointing
+
+        return apply_activation_checkpointing(model, self.cfg.model, self.checkpoint_wrapper)
+
+    def checkpoint_wrapper(self, block: nn.Module) -> nn.Module:
+        """One checkpointed block: PyTorch's non-reentrant checkpoint wrapper (DDP, FSDP2 and OSS see plain
+        autograd; the recomputed forward needs no hooks of theirs)."""
+        from rayvit.models.checkpointing import torch_checkpoint_wrapper
+
+        return torch_checkpoint_wrapper(block)
 
     def compile_blocks(self, model: nn.Module) -> None:
         """Under ``model.compile`` with ``compile_mode = "blocks"``: each encoder block becomes its compiled

@@ -185,6 +185,14 @@ class FairScaleFSDP(Strategy):
         super().__init__(*args, **kwargs)
         self.masked_decay: MaskedWeightDecay | None = None
 
+    def checkpoint_wrapper(self, block: nn.Module) -> nn.Module:
+        """FairScale's own checkpoint wrapper, the one its FSDP documents ("wrap the module with
+        checkpoint_wrapper, then with FSDP"): it patches the block's forward in place (names unchanged) and
+        its recomputation runs inside FSDP's backward, with the block's parameters already gathered."""
+        from fairscale.nn.checkpoint import checkpoint_wrapper
+
+        return checkpoint_wrapper(block)
+
     def wrapper_kwargs(self) -> dict:
         """Settings of the block and root wrappers for this precision (see the module docstring)."""
         mode, half = self.precision.mode, self.precision.half

@@ -103,8 +103,10 @@ class FairScaleOSS(Strategy):
 
         # ShardedDDP needs the optimizer to know which rank owns which gradient: optimizer first.
         groups = param_groups(model, self.cfg.optim.weight_decay, weight_decay_plan(model))
-        # model.compile: blocks compiled before wrapping; ShardedDDP's gradient hooks sit on each
-        # parameter's accumulator, outside the compiled graphs, and fire as with the eager model.
+        # model.activation_checkpointing and model.compile: blocks wrapped before ShardedDDP; its gradient
+        # hooks sit on each parameter's accumulator, outside the checkpointed and compiled regions, and fire
+        # once per parameter as with the eager model (the recomputed forward uses the same parameters).
+        self.checkpoint_blocks(model)
         self.compile_blocks(model)
         cls, kwargs = optimizer_spec(self.cfg.optim, [p for g in groups for p in g["params"]],
                                      eps=self.precision.adam_eps(self.cfg.optim.eps))

@@ -1,0 +1,201 @@
+"""The projection's physics: GEMMs against a published matmul table, chips against each other, attention
+kernels, NCCL's latency terms, the wait for the slowest of N chips, and FSDP2's padding rule at 2 real
+gloo ranks and at large N."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from rayvit.config import load_config
+from rayvit.projection import comms, nccl, roofline
+from rayvit.projection.costs import chunk_rows
+from rayvit.projection.performance import expected_max, project, project_grid
+from rayvit.projection.profiles import get_profile
+from rayvit.projection.shapes import vit_tensors
+
+from shared import two_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+STUDY = ROOT / "experiments/configs/study_a100.yaml"
+DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
+
+
+def tflops(chip, b, m, n, k) -> float:
+    return 2.0 * b * m * n * k / roofline.gemm_seconds(chip, m, n, k, batch=b) / 1e12
+
+
+def test_gemm_shapes_against_xlas_measured_h100_table():
+    """XLA's measured sm_90 bf16 matmul table (xla/service/gpu/model/matmul_interpolator_data.h), burst
+    clocks: the model at sustained clocks runs each shape at a similar fraction of its measured rate
+    (0.85 = the sustained/burst ratio), within 25%: the shape dependence (short K, few tiles) is the
+    table's."""
+    h100 = roofline.chip_for(get_profile("h100-sxm"), "bf16")
+    table = [((1, 4096, 4096, 4096), 783), ((4, 4096, 1024, 1024), 674), ((4, 4096, 4096, 512), 620),
+             ((1, 4096, 4096, 256), 392), ((1, 2048, 2048, 2048), 632), ((2, 2048, 4096, 1024), 679),
+             ((1, 4096, 512, 512), 239), ((1, 1024, 2048, 2048), 524), ((1, 4096, 1024, 512), 344)]
+    for shape, measured in table:
+        assert tflops(h100, *shape) / (0.849 * measured) == pytest.approx(1.0, abs=0.25), shape
+
+
+def test_tile_and_wave_quantisation_and_the_memory_floor():
+    a100 = roofline.chip_for(get_profile("a100-80gb"), "bf16")
+    big = tflops(a100, 1, 8192, 8192, 8192)
+    assert 0.7 < big / 312 < 0.81                                  # MAMF x sustained clock, at best
+    # One row past a tile: a whole extra row of tiles.
+    assert roofline.gemm_seconds(a100, 4097, 4096, 4096) > 1.03 * roofline.gemm_seconds(a100, 4096, 4096, 4096)
+    # Short K reaches less of the peak than long K at the same output.
+    assert tflops(a100, 1, 4096, 4096, 256) < 0.8 * tflops(a100, 1, 4096, 4096, 4096)
+    # A GEMM that streams more bytes than it computes runs at memory speed.
+    thin = roofline.gemm_seconds(a100, 65536, 8, 8)
+    assert thin >= (65536 * 8 * 2 + 64 * 2 + 65536 * 8 * 2) / a100.memory_bw
+    # Misaligned dimensions (not multiples of 16 bytes) run a slower kernel.
+    assert roofline.gemm_seconds(a100, 4096, 4096, 4095) > 1.5 * roofline.gemm_seconds(a100, 4096, 4096, 4096)
+
+
+def test_h100_over_a100_is_less_than_the_ratio_of_peaks():
+    """Matmuls scale with the tensor-core peak (3.2x) but memory-bound work with bandwidth (1.6x) and the
+    H100's sustained clock sits lower under its power limit: a ViT step gains ~2.1-2.5x."""
+    cfg = load_config(STUDY, ["precision.dtype=bf16"])
+    a100, h100 = get_profile("a100-80gb"), get_profile("h100-sxm")
+    ratio = project(cfg, 1, h100).images_per_sec_per_chip / project(cfg, 1, a100).images_per_sec_per_chip
+    assert 2.0 < ratio < 2.6
+    ct_a = roofline.step_compute(cfg, roofline.chip_for(a100, "bf16"), 32)
+    ct_h = roofline.step_compute(cfg, roofline.chip_for(h100, "bf16"), 32)
+    assert ct_h.total("memory") / ct_h.seconds > ct_a.total("memory") / ct_a.seconds
+    assert 0.35 < project(cfg, 8, a100).mfu < 0.6 and 0.25 < project(cfg, 8, h100).mfu < 0.45
+
+
+def test_attention_kernel_follows_chip_dtype_and_model_option():
+    cfg = load_config(STUDY, ["precision.dtype=bf16"])
+    a100 = roofline.chip_for(get_profile("a100-80gb"), "bf16")
+    assert roofline.attention_kernel(cfg, a100) == "flash"
+    assert roofline.attention_kernel(cfg, roofline.chip_for(get_profile("v100-32gb"), "fp16")) == "efficient"
+    assert roofline.attention_kernel(cfg, roofline.chip_for(get_profile("a100-80gb"), "fp32")) == "efficient"
+    math_cfg = cfg.replace({"model.attention": "math"})
+    assert roofline.attention_kernel(math_cfg, a100) == "math"
+    # The explicit path moves the heads x S x S matrix through memory: slower, and it is kept for backward.
+    assert project(math_cfg, 8, get_profile("a100-80gb")).step_s > project(cfg, 8, get_profile("a100-80gb")).step_s
+    v100 = roofline.step_compute(load_config(STUDY, ["precision.dtype=bf16"]),
+                                 roofline.chip_for(get_profile("v100-32gb"), "bf16"), 8)
+    assert any("no bf16 tensor cores" in n for n in v100.notes)
+
+
+def test_math_attention_keeps_the_matrix_the_model_says(tmp_path):
+    """model.attention=math on CPU: autograd keeps the fp32 softmax output and its half copy."""
+    import torch
+
+    from rayvit.projection import memory
+    from rayvit.projection.memcheck import saved_bytes_per_image
+
+    for mode in ("fp32", "pure"):
+        cfg = load_config(DEFAULT, ["model.attention=math", f"precision.mode={mode}"])
+        saved = saved_bytes_per_image(cfg, torch.device("cpu"), batch=4)
+        modelled = sum(memory.activation_bytes_per_image(cfg, layer_norm_fp32=False).values())
+        assert modelled == pytest.approx(saved, rel=0.1)
+
+
+def test_nccl_latency_grows_with_ranks_and_the_cheaper_algorithm_wins():
+    small, large, bw = 64 * 2 ** 10, 4 * 2 ** 30, 200e9
+    t8, _ = nccl.collective_seconds("all_reduce", small, 8, 1, "nvlink", bw)
+    t128, algo = nccl.collective_seconds("all_reduce", small, 128, 16, "nvlink", bw)
+    assert t128 > 3 * t8 and algo.startswith("tree")                 # trees' log2(nodes) hops at scale
+    _, algo = nccl.collective_seconds("all_reduce", large, 128, 16, "nvlink", bw)
+    assert algo == "ring/simple"                                     # bandwidth-bound: the ring
+    ring = nccl.ring_seconds("all_gather", large, 64, 8, "nvlink", bw, "simple")
+    assert ring == pytest.approx((8.4 + (63 - 7) * 3.4 + 7 * 9.6) * 1e-6 + 63 / 64 * large / bw)
+    assert nccl.collective_seconds("all_reduce", large, 1, 1, "nvlink", bw) == (0.0, "none")
+
+
+def test_expected_maximum_of_n_normal_draws():
+    assert expected_max(1) == 0.0
+    assert expected_max(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    rng = random.Random(0)
+    for n in (8, 128):
+        sampled = sum(max(rng.gauss(0, 1) for _ in range(n)) for _ in range(4000)) / 4000
+        assert expected_max(n) == pytest.approx(sampled, abs=0.03)
+    assert expected_max(8) == pytest.approx(1.4236, abs=1e-3) and expected_max(128) == pytest.approx(2.5946, abs=1e-3)
+
+
+def test_scaling_loses_what_the_slowest_chip_and_the_network_cost():
+    """With compute-bound DDP on H100 InfiniBand, 8 -> 128 chips loses the slowest chip's lag (the speed
+    spread x the growth of E[max of N]) and little more."""
+    cfg = load_config(STUDY, ["precision.dtype=bf16"])
+    h100 = get_profile("h100-sxm")
+    points = project_grid(cfg, [8, 128], [cfg], h100)
+    eff = points[-1].scaling_efficiency
+    lag = h100.speed_cv * (expected_max(128) - expected_max(8))
+    assert 1 - eff == pytest.approx(lag, abs=0.03) and eff < 1 - 0.8 * lag
+    assert points[-1].straggler_s > points[0].straggler_s > 0
+
+
+def test_fsdp2_padding_follows_its_chunking_rule_at_large_n():
+    """FSDP2 pads each parameter's dim 0 to N chunks of ceil(d0/N) rows (_fsdp_param.py: ``chunks[0]``'s
+    size). The gathered bytes the projection sends per FSDP unit are exactly that, at 8 to 512 chips; the
+    position embedding no longer multiplies by N (it was (1, S, d): N x S x d at N chips)."""
+    import torch
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    cfg = load_config(None, ["model.name=vit_h14", "model.image_size=448", "parallel.strategy=fsdp",
+                             "parallel.reshard_after_forward=false"])
+    tensors = vit_tensors(cfg.model)
+    for n in (8, 64, 512):
+        root = [t for t in tensors if t.unit == "root"]
+        padded = sum(_chunk_with_empty(torch.empty(t.shape, device="meta"), n, 0)[0].numel() * n for t in root)
+        gathers = [m for m in comms.step_messages(cfg, n) if m.kind == "all_gather" and m.what.startswith("root")]
+        assert gathers[0].bytes == 4 * padded
+        pos = next(t for t in tensors if t.name == "pos_embed")
+        assert chunk_rows(pos.shape[0], n, 0) * n < pos.shape[0] + n
+    assert gathers[0].bytes < 0.02e9                                 # was 2.7 GB at 512 chips
+
+
+def _fsdp2_shards(rank):
+    import torch
+
+    from rayvit.worker import Session
+
+    torch.set_num_threads(1)
+    cfg = load_config(DEFAULT, ["parallel.strategy=fsdp", "parallel.num_workers=2", "train.steps=2",
+                                "train.warmup_steps=1"])
+    session = Session(cfg)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        names = {id(p): n for n, p in session.model.named_parameters()}
+        out = {}
+        for module in session.model.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for p in group.fsdp_params:
+                        out[names[id(p.sharded_param)]] = (tuple(p.sharded_size), tuple(p.padded_sharded_param_size))
+        return out
+    finally:
+        session.close()
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_at_two_gloo_ranks_are_what_the_projection_counts(tmp_path):
+    ranks = two_ranks(tmp_path, _fsdp2_shards)
+    cfg = load_config(DEFAULT, ["parallel.strategy=fsdp"])
+    tensors = {t.name: t for t in vit_tensors(cfg.model)}
+    assert set(ranks[0]) == set(tensors)
+    for rank, shards in enumerate(ranks):
+        for name, (sharded, padded) in shards.items():
+            t = tensors[name]
+            assert sharded[0] == chunk_rows(t.shape[0], 2, rank) and padded[0] == chunk_rows(t.shape[0], 2, 0), name
+    assert ranks[0]["pos_embed"][1] == (33, 64)                      # 65 rows -> 2 x 33, not 2 x (1, 65, 64)
+
+
+def test_the_gpu_links_benchmark_times_small_messages_too():
+    """An fp32 LayerNorm group is ~20 KB: the GPU sizes include 16-64 KiB, so such messages take their
+    latency from a measurement, not from an extrapolation of megabyte messages."""
+    from rayvit.projection.collectives import GPU_SIZES, fit_link
+
+    assert min(GPU_SIZES) <= 64 * 2 ** 10 and any(16 * 2 ** 10 <= s <= 64 * 2 ** 10 for s in GPU_SIZES)
+    latency, busbw = 12e-6, 200e9
+    points = [[b, latency + comms.bus_factor("all_reduce", 8) * b / busbw] for b in GPU_SIZES]
+    fit = fit_link(points, "all_reduce", 8)
+    assert fit["latency_s"] == pytest.approx(latency, rel=1e-3) and fit["busbw"] == pytest.approx(busbw, rel=1e-3)
