@@ -160,10 +160,16 @@ class TrainConfig:
     checkpoint_every: int = 0
     max_failures: int = 0
     # Fault injection: crash `fail_rank` (-1: every rank) once when it reaches this step (0 = off): "raise"
-    # an exception (a crashed step), or "exit" the worker process at once (a lost worker or node).
+    # an exception (a crashed step), or "exit" the worker process at once (a lost worker or node); or
+    # "nan": that rank's batch of that step becomes NaN, so its loss alone is not finite (as one rank's
+    # fp16 overflow).
     fail_at_step: int = 0
     fail_rank: int = 0
-    fail_mode: Literal["raise", "exit"] = "raise"
+    fail_mode: Literal["raise", "exit", "nan"] = "raise"
+    # A run of a worker group that fails on some ranks only: how long a failing rank waits for the others
+    # to reach the verdict. Peers that have not answered by then wait for it in a collective: it ends the
+    # group, and the sweep measures the group's remaining points in groups of their own.
+    failure_timeout_s: float = 30.0
 
 
 @dataclass

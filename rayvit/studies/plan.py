@@ -23,7 +23,8 @@ from rayvit.launch.resources import resources_for
 # Settings that do not change what a point measures, so a rerun with them changed still reuses it:
 # where and how it is launched, and fault injection used to test recovery.
 _UNHASHED_SECTIONS = ("launch",)
-_UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.fail_mode", "train.max_failures")
+_UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.fail_mode", "train.max_failures",
+                  "train.failure_timeout_s")
 
 LADDER_FILE = Path(__file__).with_name("ladder.yaml")
 

@@ -12,7 +12,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from rayvit.config import Config
 from rayvit.data import build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
-from rayvit.worker import checkpoint, hardware, metrics
+from rayvit.worker import agree, checkpoint, hardware, metrics
 from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.worker.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
@@ -122,6 +122,9 @@ class Session:
         elapsed = time.perf_counter() - start
         if timed:
             self._sampling(False)
+        # After the clock, on every rank: a loss that is not finite on one rank ends the run on all of them
+        # (raised alone, the others would wait for that rank in the next step's collectives).
+        diverged = agree.nonfinite_ranks(loss_value, self.device)
 
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
@@ -131,9 +134,9 @@ class Session:
         self.history.append({"step": self.step, "loss": loss_value,
                              "lr": self.optimizer.param_groups[0]["lr"], "step_time_s": elapsed})
         self.step += 1
-        if not math.isfinite(loss_value):
-            raise DivergedError(f"loss is {loss_value} at step {self.step} "
-                                f"({self.precision.describe()}); the run diverged")
+        if diverged:
+            raise DivergedError(f"loss is not finite (NaN or inf) on rank {', '.join(map(str, diverged))} at step "
+                                f"{self.step} ({self.precision.describe()}); the run diverged")
         return loss_value
 
     def _apply_gradients(self) -> None:
@@ -337,6 +340,14 @@ class Session:
             dist.destroy_process_group()
 
 
+def _poisoned(batches: Iterator) -> Iterator:
+    """``train.fail_mode=nan``: the next batch with NaN images (this rank's loss alone is not finite), then
+    the rest as they come."""
+    images, labels = next(batches)
+    yield images * float("nan"), labels
+    yield from batches
+
+
 # A hook receives (metrics, session) every ``train.report_every`` steps and at the end; the Ray layer uses
 # it to report and checkpoint. It runs between steps, never inside a timed step.
 ReportHook = Callable[[dict, Session], None]
@@ -362,7 +373,9 @@ def train(cfg: Config, *, device: Optional[torch.device] = None, dataset_shards:
                     and t.fail_rank in (session.rank, -1):
                 if t.fail_mode == "exit":
                     os._exit(70)                   # no cleanup, no traceback: as a lost worker
-                raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
+                if t.fail_mode != "nan":
+                    raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
+                session.data.train = _poisoned(session.data.train)
             loss = session.train_step()
             if on_step:
                 on_step(session)

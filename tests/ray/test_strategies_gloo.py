@@ -220,13 +220,25 @@ MESSAGE_CASES = [("ddp", "fp32", []), ("ddp", "mixed", []), ("ddp", "mixed", ["p
 def _step_collectives(rank: int) -> dict:
     """Per case: (kind, bytes) of every gradient and parameter collective in the third step (DDP has
     rebuilt its buckets in gradient order by then). DDP without a hook of rayvit's gets torch's own
-    all-reduce hook, so that its buckets pass through ``dist.all_reduce`` where they can be seen."""
+    all-reduce hook, so that its buckets pass through ``dist.all_reduce`` where they can be seen. The
+    finite-loss flag each step ends with, after its clock (rayvit.worker.agree), is kept apart: under
+    ``"flag"``, every step's."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from rayvit.worker import Session
+    from rayvit.worker import Session, agree
 
     names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
-    seen: dict = {}
+    seen: dict = {"flag": []}
+    real_check = agree.nonfinite_ranks
+
+    def flag_apart(value, device):
+        before = len(sent)
+        verdict = real_check(value, device)
+        seen["flag"].append(sent[before:])
+        del sent[before:]
+        return verdict
+
+    agree.nonfinite_ranks = flag_apart
     for strategy, mode, extra in MESSAGE_CASES:
         session = Session(load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                                           *extra]))
@@ -249,6 +261,7 @@ def _step_collectives(rank: int) -> dict:
         finally:
             session.close()
         seen[(strategy, mode, tuple(extra))] = list(sent)
+    agree.nonfinite_ranks = real_check
     return seen
 
 
@@ -256,6 +269,8 @@ def test_each_strategys_collectives_are_those_the_projection_counts(tmp_path):
     from rayvit.projection import comms
 
     seen, _ = two_ranks(tmp_path, _step_collectives)
+    # One float per rank after every step, whatever the strategy.
+    assert set(map(tuple, seen.pop("flag"))) == {(("all_reduce", 8),)}
     for (strategy, mode, extra), sent in seen.items():
         cfg = load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}", *extra,
                                               "parallel.num_workers=2"])
