@@ -95,6 +95,7 @@ class Session:
         # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
         self.sampler: Optional[Sampler] = None
         self._sampler_tried = False
+        self._state_bytes: Optional[int] = None    # model state after the last step (model_state_bytes)
 
     @property
     def masters(self):
@@ -125,6 +126,7 @@ class Session:
         # After the clock, on every rank: a loss that is not finite on one rank ends the run on all of them
         # (raised alone, the others would wait for that rank in the next step's collectives).
         diverged = agree.nonfinite_ranks(loss_value, self.device)
+        self._state_bytes = None
 
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
@@ -185,6 +187,7 @@ class Session:
         """Validation accuracy and loss over the whole split (all ranks), or None without one."""
         if self.data.val_batches is None:
             return None
+        self.model_state_bytes()                   # counted before this forward changes what is held
         was_training = self.model.training
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, count, loss sum
@@ -204,7 +207,18 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------
     def model_state_bytes(self) -> int:
-        """Parameters + gradients + optimizer state (+ master copies) this rank actually holds."""
+        """Parameters + gradients + optimizer state (+ master copies) this rank holds after its last step.
+
+        Counted once per step and kept: a forward without a backward after it (:meth:`evaluate`) leaves
+        FSDP2's and FairScale's parameters gathered under ``parallel.reshard_after_forward=false`` (and
+        FairScale's root in any case), whole on every rank and without their gradients, until the next
+        backward; counted then, a sharded model would look replicated.
+        """
+        if self._state_bytes is None:
+            self._state_bytes = self._held_state_bytes()
+        return self._state_bytes
+
+    def _held_state_bytes(self) -> int:
         params = list(self.model.parameters())
         total = tensors_bytes(params) + tensors_bytes(grads_of(params)) + state_bytes(self.optimizer)
         if self.masters is not None:

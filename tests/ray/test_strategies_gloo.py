@@ -299,6 +299,32 @@ def test_gpu_checks_decay_case_steps_sharded_flat_parameters_ontwo_ranks():
     assert "over 2 ranks" in detail and len(decayed) == 2 and decayed[0] != decayed[1]
 
 
+# -- model state per rank, whatever ran after the last step -------------------------------------------
+
+
+def _fsdp_state_bytes(rank: int) -> dict:
+    """FSDP2's model_state_bytes_per_rank under both reshard settings, with and without a validation
+    split (digits has one: the final evaluation's forward runs before the summary)."""
+    from rayvit.worker import train
+
+    out = {}
+    for reshard in (True, False):
+        for data in ("digits", "synthetic"):
+            cfg = load_config(overrides=TINY + ["parallel.strategy=fsdp", f"parallel.reshard_after_forward={reshard}",
+                                                f"data.name={data}", "train.steps=2", "train.warmup_steps=1",
+                                                "parallel.num_workers=2"])
+            out[(reshard, data)] = train(cfg).metrics["model_state_bytes_per_rank"]
+    return out
+
+
+def test_fsdp_state_per_rank_is_the_same_under_both_reshard_settings_and_after_an_evaluation(tmp_path):
+    from rayvit.projection import memory
+
+    for seen in two_ranks(tmp_path, _fsdp_state_bytes):
+        cfg = load_config(overrides=TINY + ["parallel.strategy=fsdp", "parallel.num_workers=2"])
+        assert set(seen.values()) == {memory.model_state(cfg, 2).total}, seen
+
+
 # -- model.compile under every strategy that supports it ---------------------------------------------
 
 # One case per strategy (each compiles once: tens of seconds on a cold cache). fsdp mixed also puts the fp32
