@@ -74,6 +74,14 @@ class ModelConfig:
     # The steps that compile run among train.warmup_steps, outside the timed window; their extra time is
     # recorded as compile_time_s.
     compile: bool = False
+    # torch.compile's backend: inductor generates fused kernels (the point of compiling); aot_eager and
+    # eager trace the same graphs and run them as they are (to find which stage a failing compile breaks
+    # in, or to test the compile path in seconds).
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # true: every compiled run compiles from empty caches (dynamo reset, a fresh Inductor cache directory,
+    # remote caches off), so compile_time_s is a cold compile's in every run and round. false: Inductor's
+    # caches on disk are reused (faster; compile_time_s then depends on what compiled before on the node).
+    compile_cold: bool = True
 
 
 @dataclass

@@ -51,6 +51,10 @@ class Point:
         """A digest of the settings that determine what this point measures."""
         flat = {k: v for k, v in self.cfg.flatten().items()
                 if k.split(".")[0] not in _UNHASHED_SECTIONS and k not in _UNHASHED_KEYS}
+        if not self.cfg.model.compile:
+            # Nothing compiles: no backend, no caches (and points recorded before these keys existed match).
+            flat.pop("model.compile_backend")
+            flat.pop("model.compile_cold")
         return hashlib.sha1(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def describe(self) -> str:

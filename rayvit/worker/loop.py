@@ -22,7 +22,7 @@ from rayvit.config import Config
 from rayvit.data import build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
-from rayvit.worker import agree, checkpoint, hardware, metrics
+from rayvit.worker import agree, checkpoint, compiling, hardware, metrics
 from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.worker.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
@@ -57,6 +57,8 @@ class Session:
                  dataset_shards: Optional[dict] = None) -> None:
         self.cfg = cfg
         self.device = device or default_device(cfg)
+        # model.compile: the caches it compiles with; made before anything compiles (rayvit.worker.compiling).
+        self._compile_scope = compiling.CompileScope(cfg.model, self.device)
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash. (Ray sets
             # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's.)
@@ -96,6 +98,8 @@ class Session:
         self.sampler: Optional[Sampler] = None
         self._sampler_tried = False
         self._state_bytes: Optional[int] = None    # model state after the last step (model_state_bytes)
+        self._compile_scope.enter()                # last: nothing after it can fail and leave it open
+        self._graphs_before = compiling.graphs_compiled() if cfg.model.compile else 0
 
     @property
     def masters(self):
@@ -291,6 +295,7 @@ class Session:
             figures["val_accuracy"] = final_eval["val_accuracy"]
         if self.cfg.model.compile:
             figures["compile_time_s"] = stats[2].item()      # the slowest rank's
+            figures["compile_graphs"] = float(compiling.graphs_compiled() - self._graphs_before)
         return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
                          history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
                          restarts=self.restarts, per_rank=per_rank, step_times=slowest)
@@ -298,7 +303,7 @@ class Session:
     def conditions(self, peak_source: str) -> dict[str, Any]:
         """What every figure of this run is stated with."""
         m = self.cfg.model
-        return {
+        conditions = {
             "model": m.name if m.name != "custom" else f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}",
             "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
@@ -310,6 +315,9 @@ class Session:
             "layer_norm_fp32": self.precision.layer_norm_fp32 or self.precision.mode == "fp32",
             **metrics.library_versions(),
         }
+        if m.compile:
+            conditions["compile_cold"] = m.compile_cold
+        return conditions
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
@@ -349,6 +357,7 @@ class Session:
         if self.sampler is not None:
             self.sampler.stop()
         self.forward = self.model = self.optimizer = None
+        self._compile_scope.close()
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()

@@ -158,13 +158,13 @@ class Strategy:
         module, in place, before any wrapper sees it. Compiling is lazy: the first step compiles."""
         if self.cfg.model.compile and self.compile_mode == "blocks":
             for i, block in enumerate(model.blocks):
-                model.blocks[i] = torch.compile(block)
+                model.blocks[i] = torch.compile(block, backend=self.cfg.model.compile_backend)
 
     def forward_of(self, model: nn.Module):
         """What the loop calls for a forward pass: the wrapped model, compiled whole under
         ``model.compile`` with ``compile_mode = "wrapped"``."""
         if self.cfg.model.compile and self.compile_mode == "wrapped":
-            return torch.compile(model)
+            return torch.compile(model, backend=self.cfg.model.compile_backend)
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:
