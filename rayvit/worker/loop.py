@@ -361,6 +361,7 @@ class Session:
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
+            self.strategy.forget_process_groups()      # they belonged to the group just destroyed
 
 
 def _poisoned(batches: Iterator) -> Iterator:

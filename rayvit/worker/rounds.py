@@ -28,6 +28,7 @@ import torch.distributed as dist
 from rayvit.config import Config
 from rayvit.worker.agree import GroupAbandoned, agree_on_outcome, new_series
 from rayvit.worker.loop import train
+from rayvit.worker.strategies import strategy_class
 
 # Called after each run of each round with (index of the run, round, slot, result dict or None, error).
 RoundHook = Callable[[int, int, int, Optional[dict], Optional[str]], None]
@@ -59,6 +60,7 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
     :class:`~rayvit.worker.agree.GroupAbandoned` on a rank whose run failed while its peers went on
     (``on_abandon`` first).
     """
+    prepare_process_groups(cfgs, device)
     series = new_series()
     outcomes: list[dict[str, Any]] = [{"rounds": [], "places": [], "error": None} for _ in cfgs]
     for r, order in enumerate(round_order(len(cfgs), rounds)):
@@ -99,3 +101,14 @@ def release(device: Optional[torch.device]) -> None:
     gc.collect()
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def prepare_process_groups(cfgs: Sequence[Config], device: Optional[torch.device]) -> None:
+    """Before the first round, on every rank: the process groups a strategy of the group makes once per
+    process and keeps (FairScale FSDP's), so that every config and round runs beside the same
+    communicators, and the same free device memory, as the last. Without a process group (one process,
+    each run making its own) there is nothing to share."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for name in dict.fromkeys(c.parallel.strategy for c in cfgs):
+        strategy_class(name).prepare_process_groups(device or torch.device("cpu"))

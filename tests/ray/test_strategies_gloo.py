@@ -325,6 +325,35 @@ def test_fsdp_state_per_rank_is_the_same_under_both_reshard_settings_and_after_a
         assert set(seen.values()) == {memory.model_state(cfg, 2).total}, seen
 
 
+# -- FairScale FSDP's process groups, made once per worker group ---------------------------------------
+
+
+def _process_groups_per_run(rank: int) -> dict:
+    """Rounds over ddp and fairscale_fsdp (wrapped on CPU, where FairScale's forward then fails on both
+    ranks alike): how many process groups exist at each ddp step, and FairScale's cached ones."""
+    from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
+    from torch.distributed.distributed_c10d import _world
+
+    from rayvit.worker.rounds import measure_rounds
+
+    ddp = load_config(overrides=TINY + ["train.steps=2", "train.warmup_steps=1", "parallel.num_workers=2"])
+    fairscale = ddp.replace({"parallel.strategy": "fairscale_fsdp", "parallel.use_gpu": True})
+    seen: set = set()
+    outcomes = measure_rounds([ddp, fairscale], 2, device=torch.device("cpu"),
+                              on_step=lambda session, index, r: seen.add((r, len(_world.pg_map))))
+    groups = {get_process_group_cached(name) for name in ProcessGroupName}
+    return {"seen": seen, "errors": [o["error"] for o in outcomes], "rounds": len(outcomes[0]["rounds"]),
+            "fairscale": len(groups), "groups": len(_world.pg_map)}
+
+
+def test_fairscale_fsdps_process_groups_exist_before_a_worker_groups_first_run(tmp_path):
+    for ranks in two_ranks(tmp_path, _process_groups_per_run):
+        # The default group and FairScale's two, from the first ddp step of round 1 on: no run sees more.
+        assert ranks["fairscale"] == 2 and ranks["seen"] == {(0, 3), (1, 3)} and ranks["groups"] == 3
+        assert ranks["rounds"] == 2 and ranks["errors"][0] is None
+        assert "KeyError: 'all_gather'" in ranks["errors"][1]      # FairScale's forward needs CUDA streams
+
+
 # -- model.compile under every strategy that supports it ---------------------------------------------
 
 # One case per strategy (each compiles once: tens of seconds on a cold cache). fsdp mixed also puts the fp32
