@@ -194,3 +194,26 @@ def spied(record: Callable[[str, tuple, dict], None], *names: str, module=dist):
     finally:
         for name, fn in real.items():
             setattr(module, name, fn)
+
+
+@contextmanager
+def flag_apart(sent: list, flags: list):
+    """While inside, what :func:`rayvit.worker.agree.nonfinite_ranks` sends (one float per rank after every
+    step, outside its clock) is moved from the end of ``sent`` (where a spy records a step's collectives)
+    to ``flags``, one list per step: a step's own collectives are what the projection counts."""
+    from rayvit.worker import agree
+
+    real = agree.nonfinite_ranks
+
+    def apart(value, device):
+        before = len(sent)
+        verdict = real(value, device)
+        flags.append(sent[before:])
+        del sent[before:]
+        return verdict
+
+    agree.nonfinite_ranks = apart
+    try:
+        yield
+    finally:
+        agree.nonfinite_ranks = real

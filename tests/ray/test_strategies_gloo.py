@@ -17,7 +17,7 @@ import torch
 
 from rayvit.config import load_config
 
-from shared import spied, two_ranks
+from shared import flag_apart, spied, two_ranks
 
 TINY = ["train.batch_size=4", "model.depth=2"]
 
@@ -44,7 +44,7 @@ def _wire_dtypes(rank: int) -> dict:
         session = Session(load_config(overrides=TINY + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                                         f"parallel.reduce_dtype={reduce}"]))
         try:
-            with spied(record, name):
+            with spied(record, name), flag_apart(sent, []):      # gradients only, not the finite-loss flag
                 session.train_step()
         finally:
             session.close()
@@ -225,20 +225,10 @@ def _step_collectives(rank: int) -> dict:
     ``"flag"``, every step's."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from rayvit.worker import Session, agree
+    from rayvit.worker import Session
 
     names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
     seen: dict = {"flag": []}
-    real_check = agree.nonfinite_ranks
-
-    def flag_apart(value, device):
-        before = len(sent)
-        verdict = real_check(value, device)
-        seen["flag"].append(sent[before:])
-        del sent[before:]
-        return verdict
-
-    agree.nonfinite_ranks = flag_apart
     for strategy, mode, extra in MESSAGE_CASES:
         session = Session(load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                                           *extra]))
@@ -255,13 +245,12 @@ def _step_collectives(rank: int) -> dict:
         try:
             for step in range(3):
                 sent.clear()
-                with spied(record, *names):
+                with spied(record, *names), flag_apart(sent, seen["flag"]):
                     session.clear_grads()
                     session.train_step()
         finally:
             session.close()
         seen[(strategy, mode, tuple(extra))] = list(sent)
-    agree.nonfinite_ranks = real_check
     return seen
 
 
