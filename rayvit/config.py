@@ -84,6 +84,14 @@ class ModelConfig:
     # kernel on GPUs) or "math": explicit q k^T, an fp32 softmax and p v, as Megatron-style and older ViT
     # code computes it (it keeps the heads x S x S matrix for backward).
     attention: Literal["sdpa", "math"] = "sdpa"
+    # torch.compile's backend: inductor generates fused kernels (the point of compiling); aot_eager and
+    # eager trace the same graphs and run them as they are (to find which stage a failing compile breaks
+    # in, or to test the compile path in seconds).
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    # true: every compiled run compiles from empty caches (dynamo reset, a fresh Inductor cache directory,
+    # remote caches off), so compile_time_s is a cold compile's in every run and round. false: Inductor's
+    # caches on disk are reused (faster; compile_time_s then depends on what compiled before on the node).
+    compile_cold: bool = True
 
 
 @dataclass
@@ -193,10 +201,16 @@ class TrainConfig:
     checkpoint_every: int = 0
     max_failures: int = 0
     # Fault injection: crash `fail_rank` (-1: every rank) once when it reaches this step (0 = off): "raise"
-    # an exception (a crashed step), or "exit" the worker process at once (a lost worker or node).
+    # an exception (a crashed step), or "exit" the worker process at once (a lost worker or node); or
+    # "nan": that rank's batch of that step becomes NaN, so its loss alone is not finite (as one rank's
+    # fp16 overflow).
     fail_at_step: int = 0
     fail_rank: int = 0
-    fail_mode: Literal["raise", "exit"] = "raise"
+    fail_mode: Literal["raise", "exit", "nan"] = "raise"
+    # A run of a worker group that fails on some ranks only: how long a failing rank waits for the others
+    # to reach the verdict. Peers that have not answered by then wait for it in a collective: it ends the
+    # group, and the sweep measures the group's remaining points in groups of their own.
+    failure_timeout_s: float = 30.0
 
 
 @dataclass

@@ -145,6 +145,7 @@ def _validate_train(t: TrainConfig, p: ParallelConfig) -> None:
     _check(t.report_every >= 1, "train.report_every must be at least 1")
     for key in ("eval_every", "checkpoint_every", "max_failures", "fail_at_step"):
         _check(getattr(t, key) >= 0, f"train.{key} must be >= 0")
+    _check(t.failure_timeout_s > 0, f"train.failure_timeout_s={t.failure_timeout_s} must be positive")
     _check(-1 <= t.fail_rank < p.num_workers,
            f"train.fail_rank={t.fail_rank} must name a worker in [0, {p.num_workers}), or be -1 (every worker)")
 

@@ -48,8 +48,11 @@ METRIC_KEYS = (
     "timed_steps",
     # model.compile only, absent otherwise: how much longer the warm-up steps took than a median timed step
     # (the step that compiles, and any that recompile), the slowest rank's; never inside the timed window.
-    # Over rounds the largest (the first compile in a fresh worker; later rounds may reuse its caches).
+    # Over rounds the largest. From empty caches in every run and round unless model.compile_cold=false
+    # (condition compile_cold).
     "compile_time_s",
+    # model.compile only: the graphs dynamo compiled during the run (a run reusing another's graphs compiles none).
+    "compile_graphs",
     "wall_time_s",                 # the whole loop on rank 0, warm-up and evaluation included (all rounds)
     "rounds",                      # how many rounds the medians and intervals are taken over
 )
@@ -74,6 +77,9 @@ CONDITION_KEYS = (
     "device_memory_bytes",
     "torch_version", "ray_version", "fairscale_version", "rayvit_version", "data", "memory_measure",
     "reduce_dtype", "layer_norm_fp32",
+    # model.compile only: True when the run compiled from empty caches (dynamo reset, a fresh Inductor cache
+    # directory, remote caches off; rayvit.worker.compiling); False when Inductor's caches on disk were reused.
+    "compile_cold",
 )
 
 

@@ -191,9 +191,10 @@ def vit_b16(**overrides):
 _PRELOAD = ["torch", "torch.distributed", "rayvit.config", "rayvit.worker", "shared"]
 
 
-def _entry(rank: int, folder: str, state: tuple, payload: bytes) -> None:
+def _entry(rank: int, folder: str, state: tuple, payload: bytes, timeout_s: float | None = None) -> None:
     import pickle
     import sys
+    from datetime import timedelta
 
     path, cwd, environ = state
     sys.path[:] = path
@@ -201,24 +202,26 @@ def _entry(rank: int, folder: str, state: tuple, payload: bytes) -> None:
     os.environ.clear()
     os.environ.update(environ)
     fn, args = pickle.loads(payload)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2, **timeout)
     try:
         torch.save(fn(rank, *args), f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def two_ranks(tmp_path, fn, *args) -> list:
+def two_ranks(tmp_path, fn, *args, timeout_s: float | None = None) -> list:
     """Run ``fn(rank, *args)`` on two gloo ranks (new processes, no Ray); their return values, rank 0
-    first. ``fn`` must be importable by name (a module-level function)."""
+    first. ``fn`` must be importable by name (a module-level function). ``timeout_s``: the process group's
+    timeout (a collective one rank never joins fails after it; default torch's 30 minutes)."""
     import multiprocessing
     import pickle
     import sys
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     state = (list(sys.path), os.getcwd(), dict(os.environ))
-    mp.start_processes(_entry, args=(str(tmp_path), state, pickle.dumps((fn, args))), nprocs=2, join=True,
-                       start_method="forkserver")
+    mp.start_processes(_entry, args=(str(tmp_path), state, pickle.dumps((fn, args)), timeout_s), nprocs=2,
+                       join=True, start_method="forkserver")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -239,6 +242,29 @@ def spied(record: Callable[[str, tuple, dict], None], *names: str, module=dist):
     finally:
         for name, fn in real.items():
             setattr(module, name, fn)
+
+
+@contextmanager
+def flag_apart(sent: list, flags: list):
+    """While inside, what :func:`rayvit.worker.agree.nonfinite_ranks` sends (one float per rank after every
+    step, outside its clock) is moved from the end of ``sent`` (where a spy records a step's collectives)
+    to ``flags``, one list per step: a step's own collectives are what the projection counts."""
+    from rayvit.worker import agree
+
+    real = agree.nonfinite_ranks
+
+    def apart(value, device):
+        before = len(sent)
+        verdict = real(value, device)
+        flags.append(sent[before:])
+        del sent[before:]
+        return verdict
+
+    agree.nonfinite_ranks = apart
+    try:
+        yield
+    finally:
+        agree.nonfinite_ranks = real
 
 
 # -- a caller's process ---------------------------------------------------------------------------

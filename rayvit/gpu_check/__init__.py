@@ -33,6 +33,12 @@ fail here is never reported as passed):
                size): a GPU profile, never the CPU one, holding the device's memory
   decode       data.decode=gpu: nvJPEG (torchvision.io.decode_jpeg, batched) crops of the sample
                photographs match the CPU decoder's (N/A without torchvision), with both paths' rates
+  state        fairscale_fsdp and fsdp: model state per rank the same with and without
+               reshard_after_forward, with and without a validation split (an evaluation's forward)
+  rounds       ddp, fairscale_fsdp and fsdp in one group's rounds: free device memory after each run the
+               same in round 2 as in round 1 (FairScale's process groups made before round 1); a NaN loss
+               on one of two ranks (NCCL, two GPUs) ends that run on both, and the rounds go on
+  (--compile)  two compiled runs in one process: both compile the same graphs from empty caches
 Then the ladder (rayvit.studies.plan.plan_ladder) at world size 1: baseline (DDP, amp or fp32, token
 classifier, batch-first, loop AdamW, 224 px) -> +mixed precision -> +FSDP -> +MTA optimizer ->
 +pooled classifier -> +batch-second -> +256 px -> +full half precision, with per-chip TFLOPS, MFU
@@ -62,7 +68,8 @@ STUDY_RATIOS = {"batch_second": 1.51, "image_256": 1.86, "full_half": 2.18}
 from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check_fairscale_weight_decay,  # noqa: E402,F401
                                     check_flash, check_layer_norm_fp32, check_nccl, check_nvml_sampler,
                                     check_profile, check_reduce_dtype, check_training)
-from rayvit.gpu_check.cases import check_gpu_decode  # noqa: E402
+from rayvit.gpu_check.cases import (check_cold_compile, check_gpu_decode, check_group_memory,  # noqa: E402,F401
+                                    check_nan_on_one_rank, check_state_after_evaluation)
 from rayvit.gpu_check.cases import _one_line  # noqa: E402
 from rayvit.gpu_check.ladder import _free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
 
@@ -169,11 +176,17 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
                     "model.activation_checkpointing": "block"})))
     checks.append(("activation memory mixed, checkpointed", partial(
         check_activation_memory, device, "mixed", {"model.activation_checkpointing": "block"})))
+    for strategy, mode, dtype in (("fairscale_fsdp", "mixed", "fp16"), ("fsdp", "mixed", "bf16")):
+        checks.append((f"state bytes {strategy} {mode}-{dtype} after eval",
+                       partial(check_state_after_evaluation, device, strategy, mode, dtype)))
+    checks.append(("free memory per round (fairscale_fsdp in a group)", partial(check_group_memory, device)))
+    checks.append(("nan on one rank (2 GPUs)", partial(check_nan_on_one_rank, device)))
     if compile_:
         for strategy, mode in (("ddp", "amp"), ("fsdp", "mixed")):
             checks.append((f"compile {strategy} {mode}-bf16", partial(
                 train, {"model.compile": True, "parallel.strategy": strategy, "precision.mode": mode,
                         "precision.dtype": "bf16"})))
+        checks.append(("compile cold in every run", partial(check_cold_compile, device)))
     return checks
 
 

@@ -67,6 +67,13 @@ class StepPoster:
         self.board.post.remote({"kind": "round", "index": index, "round": round, "slot": slot,
                                 "result": result, "error": error, "time": time.time()})
 
+    def round_abandoned(self, index: int, round: int, slot: int, error: str) -> None:
+        """Config ``index`` failed on this rank (any rank: rank 0 may be the one left waiting) and this
+        rank ends the group (:class:`rayvit.worker.agree.GroupAbandoned`): the error reaches the driver
+        before the group is torn down, so the driver records that config failed instead of rerunning it."""
+        ray.get(self.board.post.remote({"kind": "round", "index": index, "round": round, "slot": slot,
+                                        "result": None, "error": error, "time": time.time()}), timeout=30)
+
 
 class ProgressChannel:
     """The driver's side: a board actor for one run and a thread handing its items to ``on_progress``."""

@@ -142,7 +142,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {"group": measure_rounds(
             [from_dict(c) for c in config["group"]], config["rounds"], device=device, dataset_shards=shards,
             on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None,
-            between_rounds=between)}
+            between_rounds=between, on_abandon=poster.round_abandoned if poster else None)}
     else:
         out = _train_one(cfg, config, device, shards).to_dict()
     if config.get("links") is not None:

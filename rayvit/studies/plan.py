@@ -23,7 +23,8 @@ from rayvit.launch.resources import resources_for
 # Settings that do not change what a point measures, so a rerun with them changed still reuses it:
 # where and how it is launched, and fault injection used to test recovery.
 _UNHASHED_SECTIONS = ("launch",)
-_UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.fail_mode", "train.max_failures")
+_UNHASHED_KEYS = ("train.fail_at_step", "train.fail_rank", "train.fail_mode", "train.max_failures",
+                  "train.failure_timeout_s")
 
 LADDER_FILE = Path(__file__).with_name("ladder.yaml")
 
@@ -50,6 +51,10 @@ class Point:
         """A digest of the settings that determine what this point measures."""
         flat = {k: v for k, v in self.cfg.flatten().items()
                 if k.split(".")[0] not in _UNHASHED_SECTIONS and k not in _UNHASHED_KEYS}
+        if not self.cfg.model.compile:
+            # Nothing compiles: no backend, no caches (and points recorded before these keys existed match).
+            flat.pop("model.compile_backend")
+            flat.pop("model.compile_cold")
         return hashlib.sha1(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def describe(self) -> str:

@@ -333,15 +333,23 @@ class StudyRun:
                              tags: Callable[[Point], Mapping[str, Any]], progress: Optional[Progress],
                              run_ids: dict[str, str], live: "_GroupLive", error: str, start: float) -> list[Outcome]:
         kept = {i: live.finished(i) for i in range(len(points))}
-        rest = [p for i, p in enumerate(points) if kept[i] is None]
+        # A point whose failure reached the driver (agreed by every rank, or from the rank that ended the
+        # group over it) failed as it would alone: recorded, not run again.
+        failed = {i: live.errors[i] for i in range(len(points)) if i in live.errors}
+        rest = [p for i, p in enumerate(points) if kept[i] is None and i not in failed]
         if progress is not None:
             progress.out(f"the worker group at {points[0].world_size} workers failed: {last_line(error)}; "
                          + (f"keeping {', '.join(p.key for i, p in enumerate(points) if kept[i])} (all rounds "
-                            "finished) and " if len(rest) < len(points) else "")
-                         + f"measuring {', '.join(p.key for p in rest)} in separate runs")
+                            "finished) and " if any(kept.values()) else "")
+                         + (f"recording {', '.join(points[i].key for i in failed)} failed and " if failed else "")
+                         + (f"measuring {', '.join(p.key for p in rest)} in separate runs" if rest else "measuring nothing again"))
         share = (time.monotonic() - start) / len(points)
         outcomes: dict[str, Outcome] = {p.key: self._done(p, run_ids[p.key], kept[i], share)
                                         for i, p in enumerate(points) if kept[i] is not None}
+        for i, text in failed.items():
+            p = points[i]
+            self.tracker.fail_point(run_ids[p.key], text)
+            outcomes[p.key] = Outcome(p, "failed", error=text, run_id=run_ids[p.key], seconds=share)
         if progress is not None:
             for outcome in outcomes.values():
                 progress.end(outcome)

@@ -11,8 +11,8 @@ flags give several groups.
 
 ``--compare model.compile=false,true`` times kernel fusion: the steps that compile are among each round's
 warm-up steps, never timed; how much longer they took than a timed step is reported separately (``compile
-s``: the first round's, a cold compile; later rounds of the same process may reuse dynamo's and inductor's
-caches, and are in the JSON).
+s``: the first round's; every round's is in the JSON). Each round compiles from empty caches
+(``model.compile_cold``, :mod:`rayvit.worker.compiling`), so the rounds' compile times are alike.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def format_rows(rows: list[dict]) -> str:
         if r["compile_s"] is not None:
             later = r["compile_s_by_round"][1:]
             lines.append(f"{r['variant']}: compiling took {r['compile_s']:.1f} s in the first round"
-                         + (f" ({min(later):.1f}-{max(later):.1f} s in later rounds, caches warm)" if later else "")
+                         + (f" ({min(later):.1f}-{max(later):.1f} s in later rounds)" if later else "")
                          + ", in warm-up steps outside the timing")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from rayvit.config import Config, as_config
 from rayvit.data import build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
-from rayvit.worker import checkpoint, hardware, metrics
+from rayvit.worker import agree, checkpoint, compiling, hardware, metrics
 from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.worker.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
@@ -62,6 +62,8 @@ class Session:
         # What this session changes in its process and close() puts back: the thread count, and the
         # excepthook torch.distributed wraps when a one-rank process group is made here.
         self._threads_before, self._excepthook_before = torch.get_num_threads(), sys.excepthook
+        # model.compile: the caches it compiles with; made before anything compiles (rayvit.worker.compiling).
+        self._compile_scope = compiling.CompileScope(cfg.model, self.device)
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash. (Ray sets
             # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's. The
@@ -98,6 +100,9 @@ class Session:
         # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
         self.sampler: Optional[Sampler] = None
         self._sampler_tried = False
+        self._state_bytes: Optional[int] = None    # model state after the last step (model_state_bytes)
+        self._compile_scope.enter()                # last: nothing after it can fail and leave it open
+        self._graphs_before = compiling.graphs_compiled() if cfg.model.compile else 0
 
     @property
     def masters(self):
@@ -128,6 +133,10 @@ class Session:
         elapsed = time.perf_counter() - start
         if timed:
             self._sampling(False)
+        # After the clock, on every rank: a loss that is not finite on one rank ends the run on all of them
+        # (raised alone, the others would wait for that rank in the next step's collectives).
+        diverged = agree.nonfinite_ranks(loss_value, self.device)
+        self._state_bytes = None
 
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
@@ -138,9 +147,9 @@ class Session:
         self.history.append({"step": self.step, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
                              "step_time_s": elapsed, "data_wait_s": waited})
         self.step += 1
-        if not math.isfinite(loss_value):
-            raise DivergedError(f"loss is {loss_value} at step {self.step} "
-                                f"({self.precision.describe()}); the run diverged")
+        if diverged:
+            raise DivergedError(f"loss is not finite (NaN or inf) on rank {', '.join(map(str, diverged))} at step "
+                                f"{self.step} ({self.precision.describe()}); the run diverged")
         return loss_value
 
     def _apply_gradients(self) -> None:
@@ -189,6 +198,7 @@ class Session:
         """Validation accuracy and loss over the whole split (all ranks), or None without one."""
         if self.data.val_batches is None:
             return None
+        self.model_state_bytes()                   # counted before this forward changes what is held
         was_training = self.model.training
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, count, loss sum
@@ -226,7 +236,18 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------
     def model_state_bytes(self) -> int:
-        """Parameters + gradients + optimizer state (+ master copies) this rank actually holds."""
+        """Parameters + gradients + optimizer state (+ master copies) this rank holds after its last step.
+
+        Counted once per step and kept: a forward without a backward after it (:meth:`evaluate`) leaves
+        FSDP2's and FairScale's parameters gathered under ``parallel.reshard_after_forward=false`` (and
+        FairScale's root in any case), whole on every rank and without their gradients, until the next
+        backward; counted then, a sharded model would look replicated.
+        """
+        if self._state_bytes is None:
+            self._state_bytes = self._held_state_bytes()
+        return self._state_bytes
+
+    def _held_state_bytes(self) -> int:
         params = list(self.model.parameters())
         total = tensors_bytes(params) + tensors_bytes(grads_of(params)) + state_bytes(self.optimizer)
         if self.masters is not None:
@@ -305,6 +326,7 @@ class Session:
             figures["val_accuracy"] = final_eval["val_accuracy"]
         if self.cfg.model.compile:
             figures["compile_time_s"] = stats[2].item()      # the slowest rank's
+            figures["compile_graphs"] = float(compiling.graphs_compiled() - self._graphs_before)
         return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
                          history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
                          restarts=self.restarts, per_rank=per_rank, step_times=slowest,
@@ -313,7 +335,7 @@ class Session:
     def conditions(self, peak_source: str) -> dict[str, Any]:
         """What every figure of this run is stated with."""
         m = self.cfg.model
-        return {
+        conditions = {
             "model": m.name if m.name != "custom" else f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}",
             "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
             "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
@@ -327,6 +349,9 @@ class Session:
             "layer_norm_fp32": self.precision.layer_norm_fp32 or self.precision.mode == "fp32",
             **metrics.library_versions(),
         }
+        if m.compile:
+            conditions["compile_cold"] = m.compile_cold
+        return conditions
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
@@ -368,11 +393,21 @@ class Session:
             self.sampler.stop()
         self.data.close()
         self.forward = self.model = self.optimizer = None
+        self._compile_scope.close()
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
             sys.excepthook = self._excepthook_before
+            self.strategy.forget_process_groups()      # they belonged to the group just destroyed
         torch.set_num_threads(self._threads_before)
+
+
+def _poisoned(batches: Iterator) -> Iterator:
+    """``train.fail_mode=nan``: the next batch with NaN images (this rank's loss alone is not finite), then
+    the rest as they come."""
+    images, labels = next(batches)
+    yield images * float("nan"), labels
+    yield from batches
 
 
 # A hook receives (metrics, session) every ``train.report_every`` steps, and once more at the end with the
@@ -410,7 +445,9 @@ def _train(cfg: Config, device: Optional[torch.device], dataset_shards: Optional
                     and t.fail_rank in (session.rank, -1):
                 if t.fail_mode == "exit":
                     os._exit(70)                   # no cleanup, no traceback: as a lost worker
-                raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
+                if t.fail_mode != "nan":
+                    raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
+                session.data.train = _poisoned(session.data.train)
             session.train_step()
             if on_step:
                 on_step(session)

@@ -8,8 +8,12 @@ neighbours in time. Each run of each round is a complete :func:`~rayvit.worker.l
 same seed: a fresh model, optimizer and wrap, released (CUDA cache emptied, peaks restarted) before
 the next.
 
-A run that raises in its round (an OOM, an unsupported setting) is recorded as failed with its error,
-on every rank alike, and left out of later rounds; the others go on.
+A run that raises in its round (an OOM, an unsupported setting, a NaN loss) is recorded as failed with
+its error, on every rank alike, and left out of later rounds; the others go on. Ranks agree on that
+without a collective (:mod:`rayvit.worker.agree`): a run that fails on some ranks only leaves the others
+waiting for them in a collective, and then the failing rank ends the worker group after
+``train.failure_timeout_s`` (:class:`~rayvit.worker.agree.GroupAbandoned`) instead of hanging it; the
+sweep measures the group's remaining configs in groups of their own.
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ import torch
 import torch.distributed as dist
 
 from rayvit.config import Config
+from rayvit.worker.agree import GroupAbandoned, agree_on_outcome, new_series
 from rayvit.worker.loop import train
+from rayvit.worker.strategies import strategy_class
 
 # Called after each run of each round with (index of the run, round, slot, result dict or None, error).
 RoundHook = Callable[[int, int, int, Optional[dict], Optional[str]], None]
+# Called on a rank that gives up on the group (its run failed, peers never answered) with (index, round,
+# slot, error) before it raises: the only rank that can still say which run failed, and why.
+AbandonHook = Callable[[int, int, int, str], None]
 
 
 def round_order(count: int, rounds: int) -> list[list[int]]:
@@ -40,14 +49,19 @@ def round_order(count: int, rounds: int) -> list[list[int]]:
 def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torch.device] = None,
                    dataset_shards: Optional[dict] = None, on_step: Optional[Callable[..., None]] = None,
                    on_round: Optional[RoundHook] = None,
-                   between_rounds: Optional[Callable[[int], None]] = None) -> list[dict[str, Any]]:
+                   between_rounds: Optional[Callable[[int], None]] = None,
+                   on_abandon: Optional[AbandonHook] = None) -> list[dict[str, Any]]:
     """Train every config once per round, in rotated order, on this worker's process group.
 
     Returns one entry per config: ``{"rounds": [result dict of each round it finished], "places":
     [(round, slot), ...], "error": None or the traceback of the round it failed in}``. ``on_step(session,
     index, round)`` runs after every step (live progress), outside the timed window;
-    ``between_rounds(round)`` after each round's last run (on every rank alike).
+    ``between_rounds(round)`` after each round's last run (on every rank alike). Raises
+    :class:`~rayvit.worker.agree.GroupAbandoned` on a rank whose run failed while its peers went on
+    (``on_abandon`` first).
     """
+    prepare_process_groups(cfgs, device)
+    series = new_series()
     outcomes: list[dict[str, Any]] = [{"rounds": [], "places": [], "error": None} for _ in cfgs]
     for r, order in enumerate(round_order(len(cfgs), rounds)):
         slot = 0
@@ -63,7 +77,12 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
             except Exception:  # noqa: BLE001 - one run's failure must not lose the others' rounds
                 error = traceback.format_exc()
             release(device)
-            error = _agree(error)
+            try:
+                error = agree_on_outcome(error, cfgs[index].train.failure_timeout_s, f"{series}/{r}/{index}")
+            except GroupAbandoned as abandoned:
+                if on_abandon:
+                    on_abandon(index, r, slot, str(abandoned))
+                raise
             if error is None:
                 outcomes[index]["rounds"].append(result)
                 outcomes[index]["places"].append((r, slot))
@@ -84,18 +103,12 @@ def release(device: Optional[torch.device]) -> None:
         torch.cuda.empty_cache()
 
 
-def _agree(error: Optional[str]) -> Optional[str]:
-    """Every rank's verdict on the run just finished: failed if it failed on any rank, with the first
-    failing rank's traceback.
-
-    Without this a rank that failed would skip to the next run while the others still wait for it in a
-    collective of this one; with it they all move on together, and record the same outcome.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return error
-    errors: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error[-6000:] if error else None)
-    for rank, text in enumerate(errors):
-        if text:
-            return text if rank == dist.get_rank() else f"on rank {rank}:\n{text}"
-    return None
+def prepare_process_groups(cfgs: Sequence[Config], device: Optional[torch.device]) -> None:
+    """Before the first round, on every rank: the process groups a strategy of the group makes once per
+    process and keeps (FairScale FSDP's), so that every config and round runs beside the same
+    communicators, and the same free device memory, as the last. Without a process group (one process,
+    each run making its own) there is nothing to share."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for name in dict.fromkeys(c.parallel.strategy for c in cfgs):
+        strategy_class(name).prepare_process_groups(device or torch.device("cpu"))

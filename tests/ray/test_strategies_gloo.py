@@ -17,7 +17,7 @@ import torch
 
 from rayvit.config import load_config
 
-from shared import spied, two_ranks
+from shared import flag_apart, spied, two_ranks
 
 TINY = ["train.batch_size=4", "model.depth=2"]
 
@@ -44,7 +44,7 @@ def _wire_dtypes(rank: int) -> dict:
         session = Session(load_config(overrides=TINY + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                                         f"parallel.reduce_dtype={reduce}"]))
         try:
-            with spied(record, name):
+            with spied(record, name), flag_apart(sent, []):      # gradients only, not the finite-loss flag
                 session.train_step()
         finally:
             session.close()
@@ -220,13 +220,15 @@ MESSAGE_CASES = [("ddp", "fp32", []), ("ddp", "mixed", []), ("ddp", "mixed", ["p
 def _step_collectives(rank: int) -> dict:
     """Per case: (kind, bytes) of every gradient and parameter collective in the third step (DDP has
     rebuilt its buckets in gradient order by then). DDP without a hook of rayvit's gets torch's own
-    all-reduce hook, so that its buckets pass through ``dist.all_reduce`` where they can be seen."""
+    all-reduce hook, so that its buckets pass through ``dist.all_reduce`` where they can be seen. The
+    finite-loss flag each step ends with, after its clock (rayvit.worker.agree), is kept apart: under
+    ``"flag"``, every step's."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from rayvit.worker import Session
 
     names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
-    seen: dict = {}
+    seen: dict = {"flag": []}
     for strategy, mode, extra in MESSAGE_CASES:
         session = Session(load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
                                                           *extra]))
@@ -243,7 +245,7 @@ def _step_collectives(rank: int) -> dict:
         try:
             for step in range(3):
                 sent.clear()
-                with spied(record, *names):
+                with spied(record, *names), flag_apart(sent, seen["flag"]):
                     session.clear_grads()
                     session.train_step()
         finally:
@@ -256,6 +258,8 @@ def test_each_strategys_collectives_are_those_the_projection_counts(tmp_path):
     from rayvit.projection import comms
 
     seen, _ = two_ranks(tmp_path, _step_collectives)
+    # One float per rank after every step, whatever the strategy.
+    assert set(map(tuple, seen.pop("flag"))) == {(("all_reduce", 8),)}
     for (strategy, mode, extra), sent in seen.items():
         cfg = load_config(overrides=MEDIUM + [f"parallel.strategy={strategy}", f"precision.mode={mode}", *extra,
                                               "parallel.num_workers=2"])
@@ -284,10 +288,67 @@ def test_gpu_checks_decay_case_steps_sharded_flat_parameters_ontwo_ranks():
     assert "over 2 ranks" in detail and len(decayed) == 2 and decayed[0] != decayed[1]
 
 
+# -- model state per rank, whatever ran after the last step -------------------------------------------
+
+
+def _fsdp_state_bytes(rank: int) -> dict:
+    """FSDP2's model_state_bytes_per_rank under both reshard settings, with and without a validation
+    split (digits has one: the final evaluation's forward runs before the summary)."""
+    from rayvit.worker import train
+
+    out = {}
+    for reshard in (True, False):
+        for data in ("digits", "synthetic"):
+            cfg = load_config(overrides=TINY + ["parallel.strategy=fsdp", f"parallel.reshard_after_forward={reshard}",
+                                                f"data.name={data}", "train.steps=2", "train.warmup_steps=1",
+                                                "parallel.num_workers=2"])
+            out[(reshard, data)] = train(cfg).metrics["model_state_bytes_per_rank"]
+    return out
+
+
+def test_fsdp_state_per_rank_is_the_same_under_both_reshard_settings_and_after_an_evaluation(tmp_path):
+    from rayvit.projection import memory
+
+    for seen in two_ranks(tmp_path, _fsdp_state_bytes):
+        cfg = load_config(overrides=TINY + ["parallel.strategy=fsdp", "parallel.num_workers=2"])
+        assert set(seen.values()) == {memory.model_state(cfg, 2).total}, seen
+
+
+# -- FairScale FSDP's process groups, made once per worker group ---------------------------------------
+
+
+def _process_groups_per_run(rank: int) -> dict:
+    """Rounds over ddp and fairscale_fsdp (wrapped on CPU, where FairScale's forward then fails on both
+    ranks alike): how many process groups exist at each ddp step, and FairScale's cached ones."""
+    from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
+    from torch.distributed.distributed_c10d import _world
+
+    from rayvit.worker.rounds import measure_rounds
+
+    ddp = load_config(overrides=TINY + ["train.steps=2", "train.warmup_steps=1", "parallel.num_workers=2"])
+    fairscale = ddp.replace({"parallel.strategy": "fairscale_fsdp", "parallel.use_gpu": True})
+    seen: set = set()
+    outcomes = measure_rounds([ddp, fairscale], 2, device=torch.device("cpu"),
+                              on_step=lambda session, index, r: seen.add((r, len(_world.pg_map))))
+    groups = {get_process_group_cached(name) for name in ProcessGroupName}
+    return {"seen": seen, "errors": [o["error"] for o in outcomes], "rounds": len(outcomes[0]["rounds"]),
+            "fairscale": len(groups), "groups": len(_world.pg_map)}
+
+
+def test_fairscale_fsdps_process_groups_exist_before_a_worker_groups_first_run(tmp_path):
+    for ranks in two_ranks(tmp_path, _process_groups_per_run):
+        # The default group and FairScale's two, from the first ddp step of round 1 on: no run sees more.
+        assert ranks["fairscale"] == 2 and ranks["seen"] == {(0, 3), (1, 3)} and ranks["groups"] == 3
+        assert ranks["rounds"] == 2 and ranks["errors"][0] is None
+        assert "KeyError: 'all_gather'" in ranks["errors"][1]      # FairScale's forward needs CUDA streams
+
+
 # -- model.compile under every strategy that supports it ---------------------------------------------
 
 # One case per strategy (each compiles once: tens of seconds on a cold cache). fsdp mixed also puts the fp32
-# LayerNorm groups' hooks inside the compiled blocks.
+# LayerNorm groups' hooks inside the compiled blocks. These cases are about what compiled training computes,
+# not how long compiling takes: they reuse Inductor's caches on disk (model.compile_cold=false), so a
+# suite run after another recompiles in seconds (cold, the three took 33 s more).
 COMPILE_CASES = [("ddp", "fp32"), ("fsdp", "mixed"), ("fairscale_oss", "fp32")]
 
 
@@ -300,7 +361,8 @@ def _compiled_and_eager(rank: int, strategy: str, mode: str) -> dict:
     out = {}
     for compiled in (True, False):
         cfg = load_config(overrides=TINY + [f"parallel.strategy={strategy}", f"precision.mode={mode}",
-                                            f"model.compile={compiled}", "train.steps=3", "train.warmup_steps=1",
+                                            f"model.compile={compiled}", "model.compile_cold=false",
+                                            "train.steps=3", "train.warmup_steps=1",
                                             "optim.lr=0.01", "optim.eps=1e-3"])
         graphs_before = counters["stats"]["unique_graphs"]
         weights = {}

@@ -145,28 +145,35 @@ def test_photographs_as_parquet_train_through_ray_data_and_a_corrupt_image_is_na
 
 # -- worker groups: several runs on one set of workers, in interleaved rounds ------------------------
 
-def test_a_worker_group_measures_every_run_in_rounds_and_a_failing_run_leaves_the_others(tmp_path):
-    """Three points on one worker group, 3 rounds; one raises on every rank (as an unsupported setting or
-    an even OOM would): it is recorded failed with its error, the others are measured and recorded."""
+def _group_run(tmp_path, name: str, cfgs: dict, rounds: int):
+    """``cfgs`` (point key -> config) as a study's points on one worker group, through the real fit_group
+    and the sweep's runner: (the study's record, outcomes, the progress items, the progress lines)."""
     from rayvit.config import load_study
     from rayvit.studies.plan import Point
     from rayvit.studies.runner import Progress, StudyRun
     from rayvit.trainer import fit_group
 
-    base = ["train.steps=6", "train.warmup_steps=1", f"launch.storage={tmp_path}"]
-    cfgs = {"ddp/w2": two_workers(*base),
-            "fsdp/w2": two_workers(*base, "parallel.strategy=fsdp", "train.fail_at_step=3", "train.fail_rank=-1"),
-            "fairscale_oss/w2": two_workers(*base, "parallel.strategy=fairscale_oss")}
     points = [Point(i + 1, key, key.split("/")[0], 2, cfg) for i, (key, cfg) in enumerate(cfgs.items())]
-    study = load_study(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "sweep.name=raises"])
-    run = StudyRun(study, "raises", "groups", kind="scaling")
+    study = load_study(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"sweep.name={name}"])
+    run = StudyRun(study, name, "groups", kind="scaling")
     run.start({})
     items, lines = [], []
 
     def measured(cfgs, rounds, on_progress, **kwargs):       # the real fit_group, its progress items kept
         return fit_group(cfgs, rounds, on_progress=lambda item: (items.append(item), on_progress(item)), **kwargs)
 
-    outcomes = run.run_group(points, 3, measured, lambda p: {}, Progress(3, lines.append, tty=False))
+    outcomes = run.run_group(points, rounds, measured, lambda p: {}, Progress(len(points), lines.append, tty=False))
+    return run, outcomes, items, lines
+
+
+def test_a_worker_group_measures_every_run_in_rounds_and_a_failing_run_leaves_the_others(tmp_path):
+    """Three points on one worker group, 3 rounds; one raises on every rank (as an unsupported setting or
+    an even OOM would): it is recorded failed with its error, the others are measured and recorded."""
+    base = ["train.steps=6", "train.warmup_steps=1", f"launch.storage={tmp_path}"]
+    cfgs = {"ddp/w2": two_workers(*base),
+            "fsdp/w2": two_workers(*base, "parallel.strategy=fsdp", "train.fail_at_step=3", "train.fail_rank=-1"),
+            "fairscale_oss/w2": two_workers(*base, "parallel.strategy=fairscale_oss")}
+    run, outcomes, items, lines = _group_run(tmp_path, "raises", cfgs, 3)
     assert [o.status for o in outcomes] == ["done", "failed", "done"]
     assert "injected fault on rank 0 at step 3" in outcomes[1].error
     for o in (outcomes[0], outcomes[2]):
@@ -188,6 +195,32 @@ def test_a_worker_group_measures_every_run_in_rounds_and_a_failing_run_leaves_th
         "ddp/w2": "FINISHED", "fsdp/w2": "FAILED", "fairscale_oss/w2": "FINISHED"}
     assert "injected fault" in records["fsdp/w2"].data.tags["rayvit.error"]
     assert records["ddp/w2"].data.metrics["rounds"] == 3
+
+
+def test_a_run_failing_on_one_rank_is_recorded_within_a_minute_and_the_group_goes_on(tmp_path):
+    """Rank 1 alone fails: in one run its loss turns NaN (as one rank's fp16 overflow would), in the next
+    it raises while rank 0 waits for it in a collective. The first is agreed by both ranks and the group
+    goes on; the second ends the group after train.failure_timeout_s, the driver records it failed with
+    rank 1's error, and the point that had not run yet is measured in a run of its own."""
+    base = ["train.steps=6", "train.warmup_steps=1", "train.failure_timeout_s=5"]
+    fault = ["train.fail_at_step=3", "train.fail_rank=1"]
+    cfgs = {"ddp/w2": two_workers(*base), "nan/w2": two_workers(*base, *fault, "train.fail_mode=nan"),
+            "raises/w2": two_workers(*base, *fault, "parallel.strategy=fsdp"),
+            "fsdp/w2": two_workers(*base, "parallel.strategy=fsdp")}
+    run, outcomes, items, lines = _group_run(tmp_path, "one-rank", cfgs, 1)
+    assert [o.status for o in outcomes] == ["done", "failed", "failed", "done"], [o.error for o in outcomes]
+    assert "loss is not finite (NaN or inf) on rank 1 at step 4" in outcomes[1].error
+    assert "rank 0 did not answer within 5 s" in outcomes[2].error
+    assert "injected fault on rank 1 at step 3" in outcomes[2].error
+    # Each failure reached the driver within the minute after the run before it ended (when it started).
+    ended = {i["index"]: i["time"] for i in items if i["kind"] == "round"}
+    assert sorted(ended) == [0, 1, 2] and ended[1] - ended[0] < 60 and ended[2] - ended[1] < 60
+    text = "\n".join(lines)
+    assert ("keeping ddp/w2 (all rounds finished) and recording nan/w2, raises/w2 failed and measuring fsdp/w2 "
+            "in separate runs") in text
+    assert outcomes[3].result["rounds"] == 1 and outcomes[3].result["strategy"] == "fsdp"
+    statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
+    assert statuses == {"ddp/w2": "FINISHED", "nan/w2": "FAILED", "raises/w2": "FAILED", "fsdp/w2": "FINISHED"}
 
 
 def test_a_group_that_dies_keeps_finished_points_and_measures_the_rest_alone(tmp_path):

@@ -4,13 +4,15 @@ torch.compile is lazy (nothing compiles before the first forward), so these buil
 fast; compiled training itself runs in tests/ray (2 gloo ranks per strategy, and ``rayvit bench``).
 """
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 from rayvit.cli import main
 from rayvit.config import load_config
-from rayvit.results import METRIC_KEYS, RunResult
+from rayvit.results import CONDITION_KEYS, METRIC_KEYS, RunResult
 from rayvit.worker import Session
 from rayvit.worker.loop import compile_overhead_s
 from shared import make_result
@@ -20,7 +22,9 @@ TINY = ["train.batch_size=4", "model.depth=2"]
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale_oss"])
 def test_each_strategy_compiles_where_its_library_supports_it(strategy):
-    session = Session(load_config(overrides=TINY + [f"parallel.strategy={strategy}", "model.compile=true"]))
+    # Where torch.compile goes, whatever compiles it: the eager backend spares the process Inductor's set-up.
+    session = Session(load_config(overrides=TINY + [f"parallel.strategy={strategy}", "model.compile=true",
+                                                    "model.compile_backend=eager"]))
     try:
         vit = session.strategy.unwrap(session.model)
         if strategy == "ddp":
@@ -81,3 +85,47 @@ def test_bench_keeps_compiling_out_of_the_timing(capsys):
                  "parallel.use_gpu=true"]) == 2
     assert "does not support torch.compile" in capsys.readouterr().err
     assert torch.compiler.is_compiling() is False
+
+
+def test_every_compiled_run_compiles_from_empty_caches_and_leaves_the_process_as_it_was(monkeypatch):
+    """Four compiled runs in one process, as in a worker group's round: before, the second strategy ran
+    the first's graphs and the fourth (ddp again) compiled nothing. The eager backend runs dynamo's part
+    of compiling in seconds (Inductor's own is in tests/ray's compiled runs and ``rayvit bench``)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from rayvit.worker import train
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/a/users/own/triton")       # a user's setting, kept
+    settings = lambda: (inductor_config.fx_graph_remote_cache, inductor_config.autotune_remote_cache,  # noqa: E731
+                        functorch_config.enable_remote_autograd_cache, dynamo_config.automatic_dynamic_remote_pgo)
+    before = settings()
+    dirs: list[list[str]] = []
+    results = []
+    for strategy in ("ddp", "fsdp", "fairscale_oss", "ddp"):
+        cfg = load_config(overrides=TINY + [f"parallel.strategy={strategy}", "model.compile=true",
+                                            "model.compile_backend=eager", "train.steps=3", "train.warmup_steps=1"])
+        seen: list[str] = []
+        results.append(train(cfg, on_step=lambda s, _seen=seen: _seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])))
+        dirs.append(seen)
+    graphs = [r.metrics["compile_graphs"] for r in results]
+    assert all(g > 0 for g in graphs) and graphs[3] == graphs[0], graphs
+    assert all(r.conditions["compile_cold"] is True and r.metrics["compile_time_s"] >= 0 for r in results)
+    # Each run compiled in a cache directory of its own, removed after it; the process is as it was.
+    assert all(len(set(d)) == 1 for d in dirs) and len({d[0] for d in dirs}) == 4
+    assert not any(os.path.exists(d[0]) for d in dirs)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.environ["TRITON_CACHE_DIR"] == "/a/users/own/triton"
+    assert settings() == before
+
+
+def test_a_run_may_reuse_the_caches_and_says_so():
+    from rayvit.worker import train
+
+    cfg = load_config(overrides=TINY + ["model.compile=true", "model.compile_backend=eager", "model.compile_cold=false",
+                                        "train.steps=2", "train.warmup_steps=1"])
+    result = train(cfg)
+    assert result.conditions["compile_cold"] is False and result.metrics["compile_graphs"] > 0
+    assert "compile_cold" not in train(cfg.replace({"model.compile": False})).conditions
+    assert {"compile_cold"} <= set(CONDITION_KEYS) and {"compile_graphs", "compile_time_s"} <= set(METRIC_KEYS)

@@ -38,6 +38,9 @@ def test_yaml_and_overrides_are_typed(tmp_path):
     ("train.warmup_steps=20", ["train.warmup_steps", "train.steps"]),
     ("parallel.strategy=fairscale_fsdp", ["fairscale_fsdp", "CUDA", "parallel.strategy=fsdp"]),
     ("sweep.strategies=fsdp", ["ddp", "baseline"]),
+    ("train.failure_timeout_s=0", ["train.failure_timeout_s=0", "positive"]),
+    ("train.fail_mode=oom", ["train.fail_mode", "raise", "exit", "nan"]),
+    ("model.compile_backend=tvm", ["model.compile_backend", "inductor", "aot_eager", "eager"]),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:

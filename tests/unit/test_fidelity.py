@@ -165,6 +165,23 @@ def one_rank():
     yield
     if owned:
         dist.destroy_process_group()
+        strategy_class("fairscale_fsdp").forget_process_groups()     # FairScale's, made from that group
+
+
+def test_a_session_that_made_its_process_group_forgets_fairscales_groups_with_it():
+    """One-process tools (gpu-check, bench) make and destroy a one-rank group per session: FairScale's
+    cached groups go with it, and the next session's FairScale FSDP makes live ones."""
+    from fairscale.internal.parallel import get_process_group_cached
+
+    cfg = load_config(overrides=["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true", "model.depth=2"])
+    for _ in range(2):
+        session = Session(cfg, CPU)
+        try:
+            assert session.owns_process_group and session.model.process_group is get_process_group_cached()
+            dist.all_reduce(torch.ones(1), group=session.model.process_group)     # a live group, each time
+        finally:
+            session.close()
+        assert not hasattr(get_process_group_cached, "_global_group_cache")
 
 
 FP16_ON_CPU = pytest.mark.filterwarnings("ignore:precision.dtype=fp16 on CPU")

@@ -53,12 +53,14 @@ def test_list_names_every_case_without_a_gpu():
                  "layernorm fp32 ddp mixed-bf16", "layernorm fp32 fsdp mixed-bf16",
                  "layernorm fp32 fairscale_fsdp mixed-fp16", "reduce ddp mixed-bf16 ->fp32",
                  "reduce fsdp pure-bf16 ->fp32", "reduce fairscale_fsdp mixed-fp16 ->half",
-                 "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1"):
+                 "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1",
+                 "state bytes fairscale_fsdp mixed-fp16 after eval", "free memory per round (fairscale_fsdp in a group)",
+                 "nan on one rank (2 GPUs)"):
         assert case in full.stdout
     assert "compile" not in full.stdout            # torch.compile only with --compile
     compiled = _run("--list", "--quick", "--compile")
     assert compiled.returncode == 0, compiled.stderr
-    for case in ("compile ddp amp-bf16", "compile fsdp mixed-bf16", "8-compile/w1"):
+    for case in ("compile ddp amp-bf16", "compile fsdp mixed-bf16", "compile cold in every run", "8-compile/w1"):
         assert case in compiled.stdout
     refused = _run("--list", "--compile", "--warmup", "0")
     assert refused.returncode == 2 and "--compile needs --warmup >= 1" in refused.stderr
@@ -84,6 +86,21 @@ def test_dtype_checks_run_on_cpu_where_their_strategies_do():
     assert check.check_reduce_dtype(cpu, "ddp", "mixed", "bf16", "half", steps=1).startswith(
         "reduced in bf16/fp32")          # half buckets in bf16, the fp32 LayerNorm bucket in fp32
     assert check.check_reduce_dtype(cpu, "fsdp", "pure", "bf16", "fp32", steps=1).startswith("reduced in fp32")
+
+
+@pytest.mark.slow
+def test_worker_group_cases_run_on_cpu_where_their_strategies_do():
+    """The state and rounds cases' own code, on CPU for fsdp and ddp (their GPU cases add fairscale_fsdp
+    and free device memory): ~10 s of the small ViT, so in the slow tier."""
+    check = _gpu_check_module()
+    cpu = torch.device("cpu")
+    assert check.check_state_after_evaluation(cpu, "fsdp", "mixed", "bf16").endswith(
+        "B per rank in every run (reshard on/off, with/without a validation split); projected 53,817,728 B")
+    assert check.check_group_memory(cpu, ("ddp", "fsdp")) == (
+        "after rounds 1/2: ddp 1 process groups; fsdp 1 process groups")
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(check.NotCheckable, match="needs two ranks over NCCL"):
+        check.check_nan_on_one_rank(cpu)
 
 
 def test_a_check_that_cannot_fail_on_this_machine_reports_n_a_never_pass():

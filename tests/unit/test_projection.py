@@ -191,6 +191,22 @@ def test_model_state_equals_the_built_strategies_at_world_size_1():
         assert "device_memory_bytes" in result.conditions and result.conditions["device_memory_bytes"] is None
 
 
+def test_fsdp_model_state_is_counted_after_the_step_not_after_an_evaluation():
+    """Under reshard_after_forward=false an evaluation's forward (no backward) leaves FSDP2's parameters
+    gathered, without their gradients: the state a run reports is what the step held, with and without a
+    validation split (digits has one), under either setting."""
+    from rayvit.worker import train
+
+    seen = {}
+    for reshard in (True, False):
+        for data in ("digits", "synthetic"):
+            cfg = load_config(DEFAULT, ["parallel.strategy=fsdp", f"parallel.reshard_after_forward={reshard}",
+                                        f"data.name={data}", "train.steps=2", "train.warmup_steps=1",
+                                        "train.batch_size=4"])
+            seen[(reshard, data)] = train(cfg).metrics["model_state_bytes_per_rank"]
+    assert set(seen.values()) == {memory.model_state(cfg, 1).total}, seen
+
+
 def test_step_time_by_hand_on_a_two_chip_cpu_profile():
     cfg = load_config(DEFAULT)
     link = Link(busbw=1e9, latency_s=1e-3)

@@ -17,7 +17,7 @@ from rayvit.record.plots import strategy_colour
 from rayvit.worker.strategies import STRATEGIES
 
 from _ddp_zero1 import DDPZero1, zero_owner
-from shared import spied, two_ranks, vit_b16
+from shared import flag_apart, spied, two_ranks, vit_b16
 
 DEFAULT = Path(__file__).resolve().parents[2] / "experiments/configs/cpu_default.yaml"
 SHORT = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "model.depth=2"]
@@ -99,13 +99,14 @@ def _step(rank: int) -> dict:
         tensor = args[0] if args else kwargs["tensor"]
         sent.append((name, tensor.numel() * tensor.element_size()))
 
+    flags: list = []
     try:
         for _ in range(3):
             sent.clear()
-            with spied(record, "all_reduce", "broadcast"):
+            with spied(record, "all_reduce", "broadcast"), flag_apart(sent, flags):
                 session.clear_grads()
                 session.train_step()
-        return {"sent": sorted(sent), "state": session.model_state_bytes()}
+        return {"sent": sorted(sent), "state": session.model_state_bytes(), "flags": flags}
     finally:
         session.close()
 
@@ -116,6 +117,7 @@ def test_at_two_ranks_it_sends_and_holds_what_its_cost_model_says(zero1, tmp_pat
     cfg = load_config(DEFAULT, ["parallel.strategy=ddp_zero1", "parallel.num_workers=2", *SHORT])
     projected = sorted((m.kind, m.bytes) for m in comms.step_messages(cfg, 2))
     for r in ranks:
+        assert r["flags"] == [[("all_reduce", 8)]] * 3        # the finite-loss flag, after each step's clock
         assert [k for k, _ in r["sent"]] == [k for k, _ in projected]
         assert sum(b for _, b in r["sent"]) == sum(b for _, b in projected)
     assert [s.total for s in memory.model_state(cfg, 2, per_rank=True)] == [r["state"] for r in ranks]

@@ -137,6 +137,19 @@ class Strategy:
         """Buffers that exist only during the step, beside model state and activations."""
         return 0
 
+    # -- what the library keeps per process, beyond one run ------------------------------------------
+
+    @classmethod
+    def prepare_process_groups(cls, device: torch.device) -> None:
+        """Once per worker group, on every rank alike, before its first run: make the process groups
+        (and their communicators) this library would otherwise make in its first run and keep for the
+        rest of the process, so that every run of the group sees them. Most libraries keep none."""
+
+    @classmethod
+    def forget_process_groups(cls) -> None:
+        """The process group this library's groups were made from is gone (a one-process tool destroyed
+        its own): drop any it cached, so that the next run makes them anew."""
+
     def __init__(self, cfg: "Config", precision: Precision, device: torch.device) -> None:
         self.cfg = cfg
         self.precision = precision
@@ -176,13 +189,13 @@ class Strategy:
         module, in place, before any wrapper sees it. Compiling is lazy: the first step compiles."""
         if self.cfg.model.compile and self.compile_mode == "blocks":
             for i, block in enumerate(model.blocks):
-                model.blocks[i] = torch.compile(block)
+                model.blocks[i] = torch.compile(block, backend=self.cfg.model.compile_backend)
 
     def forward_of(self, model: nn.Module):
         """What the loop calls for a forward pass: the wrapped model, compiled whole under
         ``model.compile`` with ``compile_mode = "wrapped"``."""
         if self.cfg.model.compile and self.compile_mode == "wrapped":
-            return torch.compile(model)
+            return torch.compile(model, backend=self.cfg.model.compile_backend)
         return model
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -181,6 +181,28 @@ class FairScaleFSDP(Strategy):
     def transient_bytes(cls, layout: Layout) -> int:
         return sharded_transient(layout)
 
+    @classmethod
+    def prepare_process_groups(cls, device: torch.device) -> None:
+        """FairScale's FSDP makes two process groups of all ranks at its first wrap (``process_group`` and
+        the overlapping ``reduce_scatter`` group; fairscale/internal/parallel.py ``get_process_group_cached``)
+        and caches them for the life of the process, their NCCL communicators outside torch's caching
+        allocator. Made here, with a collective on each (NCCL creates a communicator at its group's first
+        collective), every run of a worker group has the same free memory, before and after FairScale's."""
+        import torch.distributed as dist
+        from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
+
+        for name in (ProcessGroupName.default, ProcessGroupName.reduce_scatter):
+            dist.all_reduce(torch.zeros(1, device=device), group=get_process_group_cached(name))
+
+    @classmethod
+    def forget_process_groups(cls) -> None:
+        """Drop FairScale's cache of process groups (they belonged to a destroyed default group; reused,
+        they would fail): the next wrap makes them anew."""
+        from fairscale.internal.parallel import get_process_group_cached
+
+        if hasattr(get_process_group_cached, "_global_group_cache"):
+            del get_process_group_cached._global_group_cache
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.masked_decay: MaskedWeightDecay | None = None

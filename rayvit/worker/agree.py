@@ -1,0 +1,112 @@
+"""Ranks that agree on how a run ended, without trusting the next collective to line them up.
+
+A rank that fails on its own (a NaN loss, an out-of-memory error at the margin: FSDP2's rank 0 holds the
+largest shard) must not enter a collective its peers are not in: NCCL raises nothing, gloo neither, and
+every rank waits for the process group's timeout (Ray Train sets 30 minutes). So:
+
+- what every rank can check at the same point of every step (the loss is finite) is a collective of
+  its own: :func:`nonfinite_ranks`, after the step's clock has stopped;
+- any other error is agreed through the process group's key-value store, which needs no collective:
+  :func:`agree_on_outcome` posts this rank's verdict and waits for the others'. A rank that failed
+  waits a short while; peers that do not answer by then are waiting for it in a collective, and it
+  raises :class:`GroupAbandoned`, which ends the worker group (Ray Train tears it down) so that the
+  sweep measures what is left in groups of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# A rank whose run finished has passed every collective of it, so its peers are on their way (closing
+# the run, collecting garbage) or failed after the last collective and already posted: it may wait long.
+FINISHED_WAIT_S = 600.0
+# Store values are kept small: the end of a traceback says what failed.
+MAX_ERROR_CHARS = 6000
+_KEY_PREFIX = "rayvit/outcome"
+
+
+class GroupAbandoned(RuntimeError):
+    """A run failed on this rank and some peers never reached the verdict (they wait for this rank in a
+    collective): the worker group cannot go on, and ends."""
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def nonfinite_ranks(value: float, device: torch.device) -> list[int]:
+    """The ranks whose ``value`` (this step's loss) is NaN or infinite, known to every rank alike.
+
+    A collective: every rank calls it at the same point of every step. One element per rank, so the
+    verdict names the ranks; at one rank no collective runs.
+    """
+    rank, size = _world()
+    if size == 1:
+        return [] if math.isfinite(value) else [0]
+    flags = torch.zeros(size, dtype=torch.float32, device=device)
+    if not math.isfinite(value):
+        flags[rank] = 1.0
+    dist.all_reduce(flags)
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+
+def new_series() -> str:
+    """A name for a series of agreements (one worker group's rounds), the same on every rank: how many
+    series this rank has begun on the process group's store, every rank beginning the same ones. Kept in
+    the store, it starts afresh with every process group, whatever a reused process did before."""
+    rank, size = _world()
+    if size == 1:
+        return "local"
+    return str(dist.distributed_c10d._get_default_store().add(f"{_KEY_PREFIX}/series/{rank}", 1))
+
+
+def agree_on_outcome(error: Optional[str], timeout_s: float, run: str) -> Optional[str]:
+    """Every rank's verdict on the run just ended: None when it finished on every rank, else the first
+    failing rank's error, the same text on every rank.
+
+    ``error`` is this rank's traceback (None: it finished); ``run`` names the run alike on every rank
+    (its :func:`new_series` and place). A rank that failed waits ``timeout_s`` for its peers' verdicts,
+    a rank that finished up to :data:`FINISHED_WAIT_S`; when some have not answered by then it raises
+    :class:`GroupAbandoned` (with its own error) instead of entering the next run.
+    """
+    rank, size = _world()
+    if size == 1:
+        return error
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"{_KEY_PREFIX}/{run}/{r}" for r in range(size)]
+    # "-": finished; "!" and the traceback: failed.
+    store.set(keys[rank], ("!" + error[-MAX_ERROR_CHARS:]) if error else "-")
+    wait_s = timeout_s if error else max(timeout_s, FINISHED_WAIT_S)
+    missing = _wait_for(store, keys, wait_s)
+    if missing:
+        who = ", ".join(str(r) for r in missing)
+        raise GroupAbandoned(
+            f"rank {who} did not answer within {wait_s:g} s after the run ended on rank {rank}"
+            + (" (it is waiting for this rank in a collective): the worker group ends here so that "
+               f"the sweep measures what is left (train.failure_timeout_s={timeout_s:g})" if error else "")
+            + (f"; the run failed on rank {rank}:\n{error[-MAX_ERROR_CHARS:]}" if error else ""))
+    for r, key in enumerate(keys):
+        verdict = store.get(key).decode()
+        if verdict.startswith("!"):
+            return f"on rank {r}:\n{verdict[1:]}"
+    return None
+
+
+def _wait_for(store: dist.Store, keys: list[str], timeout_s: float) -> list[int]:
+    """Poll until every key is set or ``timeout_s`` passes; the ranks whose key is missing. (Polled rather
+    than ``store.wait``: its timeout and error differ between the TCP and file stores.)"""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return [r for r, key in enumerate(keys) if not store.check([key])]
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+    return []

@@ -1,0 +1,73 @@
+"""One rank's failure in a worker group's rounds, on two gloo ranks (no Ray): nobody waits for a collective
+that will never come.
+
+A rank whose loss alone is not finite ends the run on both ranks, which agree and go on to the group's
+other runs; a rank that raises alone while its peer waits for it in a collective gives up on the group
+after ``train.failure_timeout_s`` (Ray then tears the group down; tests/ray/test_trainer.py shows the
+sweep's side).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from torch.multiprocessing import ProcessRaisedException
+
+from rayvit.config import load_config
+
+from shared import two_ranks
+
+SMALL = ["train.batch_size=4", "model.depth=2", "train.steps=4", "train.warmup_steps=1", "parallel.num_workers=2"]
+FAULT = {"train.fail_at_step": 2, "train.fail_rank": 1, "train.failure_timeout_s": 3}
+# The process group's timeout: a collective that never completes fails after it, so a regression fails
+# these tests within a minute instead of hanging them for torch's default 30.
+GROUP_TIMEOUT_S = 60
+
+
+def _rounds_with_a_fault_on_rank_1(rank: int, mode: str, folder: str) -> tuple[list, float]:
+    """Three configs in two rounds, the second failing on rank 1 only; (outcomes, seconds)."""
+    from rayvit.worker.rounds import measure_rounds
+
+    ok = load_config(overrides=SMALL)
+    broken = ok.replace({**FAULT, "train.fail_mode": mode})
+
+    def abandoned(index, r, slot, error):
+        Path(folder, f"abandoned{rank}.json").write_text(json.dumps([index, r, slot, error]))
+
+    start = time.monotonic()
+    outcomes = measure_rounds([ok, broken, ok.replace({"parallel.strategy": "fsdp"})], 2, on_abandon=abandoned)
+    return outcomes, time.monotonic() - start
+
+
+def test_a_loss_not_finite_on_one_rank_fails_the_run_on_both_and_the_rounds_go_on(tmp_path):
+    (out0, seconds0), (out1, seconds1) = two_ranks(tmp_path, _rounds_with_a_fault_on_rank_1, "nan", str(tmp_path),
+                                                   timeout_s=GROUP_TIMEOUT_S)
+    # Both ranks record the same failure, word for word, within the minute.
+    assert out0[1]["error"] == out1[1]["error"]
+    assert "DivergedError: loss is not finite (NaN or inf) on rank 1 at step 3" in out0[1]["error"]
+    assert out0[1]["rounds"] == [] and max(seconds0, seconds1) < 60
+    # The other runs were measured in both rounds, on both ranks, the failed one out of round 2.
+    for out in (out0, out1):
+        for i in (0, 2):
+            assert out[i]["error"] is None and len(out[i]["rounds"]) == 2
+        assert out[2]["places"] == [(0, 2), (1, 0)]
+    assert not list(tmp_path.glob("abandoned*"))
+
+
+def test_a_rank_that_raises_alone_gives_up_on_the_group_instead_of_waiting_for_it(tmp_path):
+    """Rank 0 waits for rank 1 in the step's gradient all-reduce, forever: rank 1 posts its error, says
+    so, and raises after train.failure_timeout_s (3 s here); the process holding rank 0 is then ended
+    (here by torch.multiprocessing, under Ray by Ray Train)."""
+    start = time.monotonic()
+    with pytest.raises(ProcessRaisedException) as raised:
+        two_ranks(tmp_path, _rounds_with_a_fault_on_rank_1, "raise", str(tmp_path), timeout_s=GROUP_TIMEOUT_S)
+    assert time.monotonic() - start < 60
+    text = str(raised.value)
+    assert "Process 1 terminated" in text and "GroupAbandoned: rank 0 did not answer within 3 s" in text
+    assert "train.failure_timeout_s=3" in text and "InjectedFault: injected fault on rank 1 at step 2" in text
+    index, r, slot, error = json.loads((tmp_path / "abandoned1.json").read_text())
+    assert (index, r, slot) == (1, 0, 1) and "injected fault on rank 1 at step 2" in error
+    assert not (tmp_path / "abandoned0.json").exists()
