@@ -12,10 +12,7 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-
-
-class ConfigError(ValueError):
-    """A config key, value or combination of values that rayvit cannot run."""
+from rayvit.errors import ConfigError
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

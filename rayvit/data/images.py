@@ -19,6 +19,7 @@ read raises :class:`CorruptImageError` naming where it is and the decoder's reas
 
 from __future__ import annotations
 
+from rayvit.errors import CorruptImageError
 import io
 import math
 import random
@@ -35,10 +36,6 @@ JPEG_MAGIC = b"\xff\xd8"
 # libjpeg-turbo's power-of-two DCT scalings; its other eighths decode slower than a full decode
 # (measured, docs/data.md).
 DCT_DIVISORS = (8, 4, 2, 1)
-
-
-class CorruptImageError(ValueError):
-    """An image no decoder can read; the message names where it is (file, row) and why."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ failure or :class:`NotCheckable` where this machine cannot tell (see :mod:`rayvi
 
 from __future__ import annotations
 
+from rayvit.errors import NotCheckable
 import math
 import traceback
 from typing import Any, Callable, Optional
@@ -18,10 +19,6 @@ SMALL_MODEL = {"name": "custom", "hidden_dim": 256, "depth": 4, "num_heads": 4, 
 
 # --------------------------------------------------------------------------------------------------
 # Checks: each returns a short detail string, or raises with the reason it failed.
-
-
-class NotCheckable(Exception):
-    """A check that cannot fail on this machine (e.g. one that needs a second GPU): reported N/A."""
 
 
 def _two_rank_entry(rank: int, backend: str, devices: Optional[tuple], folder: str, fn, args: tuple) -> None:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
+from rayvit.errors import ClusterTooSmall, ScaleUpTimeout
 from rayvit.formats import clock as _clock
 from rayvit.launch.autoscaler import (Autoscaler, NodeType, autoscaler_from_config, find_autoscaler,  # noqa: F401
                                       EPS, monitor_config_path, per_node)
@@ -36,14 +37,6 @@ logger = logging.getLogger(__name__)
 FITS_NOW, CAN_GROW, NEVER_FITS, TOO_SMALL = "fits_now", "can_grow", "never_fits", "too_small"
 
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-
-
-class ClusterTooSmall(RuntimeError):
-    """The request can never be placed on this cluster (or the autoscaler's maximum)."""
-
-
-class ScaleUpTimeout(ClusterTooSmall):
-    """The autoscaler did not bring up the nodes a run needs before ``launch.scale_up_timeout_s``."""
 
 
 # --------------------------------------------------------------------------------------------------

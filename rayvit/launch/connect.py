@@ -31,6 +31,7 @@ import os
 import time
 from typing import Optional
 
+from rayvit.errors import ClusterAuthError, ClusterUnreachable, ConnectError
 from rayvit import process_state
 
 __all__ = ["ensure_ray", "started_local", "check_cluster", "resolve_address", "cluster_auth_mode", "ConnectError",
@@ -50,18 +51,6 @@ _TOKEN_SOURCES = ("$RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH (a file holding the tok
 _mode_we_set: Optional[str] = None
 # Whether the instance this process last reached is a local one ensure_ray started (see started_local).
 _started_here = False
-
-
-class ConnectError(RuntimeError):
-    """Ray could not be reached or attached to; the message says what to check."""
-
-
-class ClusterUnreachable(ConnectError):
-    """Nothing at the address answers as a Ray cluster."""
-
-
-class ClusterAuthError(ConnectError):
-    """The cluster requires a token this process does not have (or has a different one)."""
 
 
 def ensure_ray(address: Optional[str] = None, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -292,7 +281,6 @@ def _set_auth_mode(mode: str) -> None:
         logger.info("RAY_AUTH_MODE=%s here, the cluster's mode is %s: using the cluster's", current, mode)
     os.environ[_AUTH_MODE] = _mode_we_set = mode
     compat.reload_auth_mode()
-
 
 
 def _start_local() -> None:

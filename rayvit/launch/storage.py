@@ -14,15 +14,12 @@ from __future__ import annotations
 import os
 from typing import Iterable, Optional
 
+from rayvit.errors import StorageError
 from rayvit.config import Config, ConfigError, rayvit_home
 from rayvit.launch.resources import worker_bundle
 
 __all__ = ["StorageError", "default_storage_path", "storage_path", "check_storage", "worker_slots",
            "checkpoints"]
-
-
-class StorageError(ConfigError):
-    """``launch.storage`` is unusable, or a run needs shared storage and has none."""
 
 
 def default_storage_path() -> str:

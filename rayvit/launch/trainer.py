@@ -31,6 +31,7 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from rayvit.errors import TrainingError
 from rayvit import process_state
 from rayvit.config import Config, ConfigError, as_config, from_dict
 from rayvit.launch import capacity
@@ -81,10 +82,6 @@ def _apply(env: dict[str, Optional[str]]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-class TrainingError(RuntimeError):
-    """A Ray Train run failed; the message holds the cause."""
 
 
 def check_cluster_fits(cfgs: list[Config]) -> list:

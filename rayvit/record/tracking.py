@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+from rayvit.errors import TrackingError
 from rayvit.config import rayvit_home
 from rayvit.formats import number as _number
 from rayvit.record import views
@@ -49,10 +50,6 @@ ERROR_ARTIFACT = "error.txt"
 # What the MLflow UI reads from an experiment's tags.
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"   # "Model training", not the GenAI views
-
-
-class TrackingError(RuntimeError):
-    """The tracking store cannot be reached or used."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ every rank waits for the process group's timeout (Ray Train sets 30 minutes). So
 
 from __future__ import annotations
 
+from rayvit.errors import GroupAbandoned
 import math
 import time
 from typing import Optional
@@ -28,11 +29,6 @@ FINISHED_WAIT_S = 600.0
 # Store values are kept small: the end of a traceback says what failed.
 MAX_ERROR_CHARS = 6000
 _KEY_PREFIX = "rayvit/outcome"
-
-
-class GroupAbandoned(RuntimeError):
-    """A run failed on this rank and some peers never reached the verdict (they wait for this rank in a
-    collective): the worker group cannot go on, and ends."""
 
 
 def _world() -> tuple[int, int]:

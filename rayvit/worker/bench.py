@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from rayvit.errors import CompareFailed
 from rayvit.config import Config, ConfigError, as_config, load_config
 from rayvit.process_state import keeps_process_state
 from rayvit.results import Comparison, RunResult
@@ -45,10 +46,6 @@ def parse_compare(spec: str) -> tuple[str, list[str]]:
     if not sep or len(options) < 2:
         raise ConfigError(f"--compare {spec!r} must look like section.key=value1,value2[,...]")
     return key.strip(), options
-
-
-class CompareFailed(RuntimeError):
-    """A config of a comparison failed in one of its rounds; the message holds its error."""
 
 
 @keeps_process_state

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rayvit.errors import DivergedError, InjectedFault
 from rayvit import process_state
 from rayvit.config import Config, as_config
 from rayvit.data import build_data
@@ -29,13 +30,6 @@ from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.worker.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
 from rayvit.worker.strategies import ensure_process_group, rank, strategy_class, world_size
-
-class InjectedFault(RuntimeError):
-    """Raised by ``train.fail_at_step`` to prove that a run survives a crashed worker."""
-
-
-class DivergedError(FloatingPointError):
-    """The loss became NaN or infinite."""
 
 
 def default_device(cfg: Config) -> torch.device:
