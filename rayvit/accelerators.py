@@ -1,6 +1,6 @@
 """What each known accelerator computes: data-sheet peaks and the figures the projection's roofline needs.
 
-No torch here: MFU (``rayvit.worker.hardware``), config validation and the analytic projection all read
+No torch here: MFU (``rayvit.training.hardware``), config validation and the analytic projection all read
 these tables, and the projection must not import torch.
 
 Dense (no sparsity) peak TFLOP/s per dtype, from NVIDIA's data sheets (the sheets' larger Tensor Core

@@ -68,7 +68,7 @@ class ModelConfig:
     classifier: Literal["token", "pooled"] = "token"
     layout: Literal["batch_first", "batch_second"] = "batch_first"
     dropout: float = 0.0
-    # Kernel fusion with torch.compile, the way each strategy supports it (rayvit.worker.strategies):
+    # Kernel fusion with torch.compile, the way each strategy supports it (rayvit.strategies):
     # each encoder block compiled before sharding (FSDP2, as torchtitan does; FairScale OSS), or the
     # DDP-wrapped model (DDPOptimizer splits its graph at the gradient buckets). FairScale FSDP is refused.
     # The steps that compile run among train.warmup_steps, outside the timed window; their extra time is
@@ -133,7 +133,7 @@ class OptimConfig:
 class ParallelConfig:
     """How workers share the model: DDP is the baseline every comparison is made against."""
 
-    # A strategy registered in rayvit.worker.strategies.STRATEGIES: ddp, fsdp, fairscale_oss, fairscale_fsdp.
+    # A strategy registered in rayvit.strategies.STRATEGIES: ddp, fsdp, fairscale_oss, fairscale_fsdp.
     strategy: str = BASELINE
     num_workers: int = 1
     use_gpu: bool = False

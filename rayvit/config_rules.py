@@ -12,8 +12,8 @@ from rayvit.config import (BASELINE, LADDER_RUNGS, Config, ConfigError, DataConf
 from rayvit.models.presets import ARCH_KEYS, MODEL_PRESETS
 # Each strategy says what it cannot run (Strategy.refuses, compile_unsupported, dtensor_params). Imported
 # here, at validation time: the strategies import rayvit.config.
-from rayvit.worker.optim import fused_unavailable
-from rayvit.worker.strategies import STRATEGIES
+from rayvit.training.optim import fused_unavailable
+from rayvit.strategies import STRATEGIES
 
 
 def _resolved_model(m: ModelConfig) -> ModelConfig:

@@ -220,7 +220,7 @@ def run_check(name: str, fn: Callable[[], str], out: Callable[[str], None]) -> d
 def environment(device) -> dict[str, Any]:
     import torch
 
-    from rayvit.worker import hardware
+    from rayvit.training import hardware
     from rayvit.worker.metrics import library_versions
 
     env: dict[str, Any] = {"python": platform.python_version(), "host": platform.node(),

@@ -133,7 +133,7 @@ def _trained_session(device, overrides: dict[str, Any], steps: int, before_steps
 
 
 def _names(dtypes) -> str:
-    from rayvit.worker.hardware import dtype_name
+    from rayvit.training.hardware import dtype_name
 
     return "/".join(sorted(dtype_name(d) for d in dtypes)) or "none"
 
@@ -143,7 +143,7 @@ def check_layer_norm_fp32(device, strategy: str, dtype: str, steps: int = 4) -> 
     import torch
     from torch import nn
 
-    from rayvit.worker.strategies import Strategy
+    from rayvit.strategies import Strategy
 
     seen: dict[str, set] = {"norm_w": set(), "norm_out": set(), "mm": set()}
 
@@ -189,8 +189,8 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
 
     import torch
 
-    from rayvit.worker.hardware import dtype_name
-    from rayvit.worker.strategies import strategy_class
+    from rayvit.training.hardware import dtype_name
+    from rayvit.strategies import strategy_class
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     expected = torch.float32 if reduce == "fp32" else half
@@ -390,7 +390,7 @@ def check_profile(device) -> str:
     import torch
 
     from rayvit.projection.profiles import UnknownAcceleratorWarning, profile_for_accelerator
-    from rayvit.worker.hardware import accelerator_name
+    from rayvit.training.hardware import accelerator_name
 
     name = accelerator_name(device)
     memory = torch.cuda.get_device_properties(device).total_memory
@@ -501,7 +501,7 @@ def check_group_memory(device, strategies: tuple[str, ...] = ("ddp", "fairscale_
     from torch.distributed.distributed_c10d import _world
 
     from rayvit.worker.rounds import measure_rounds
-    from rayvit.worker.strategies import strategy_class
+    from rayvit.strategies import strategy_class
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process")

@@ -64,7 +64,7 @@ def run_ladder(cfg, device, *, out: Callable[[str], None]) -> list[dict[str, Any
 def _free_device_memory(device) -> None:
     import torch
 
-    from rayvit.worker import hardware
+    from rayvit.training import hardware
 
     gc.collect()
     if device.type == "cuda":

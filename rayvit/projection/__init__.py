@@ -1,6 +1,6 @@
 """Projection: a performance and memory model of one training step per chip, at any chip count.
 
-Each strategy supplies its own part of the model (``rayvit.worker.strategies``, in the terms of
-:mod:`rayvit.projection.costs`); their libraries (FairScale) are not imported. No Ray here (only
+Each strategy supplies its own part of the model (``rayvit.strategies``, in the terms of
+:mod:`rayvit.strategies.costs`); their libraries (FairScale) are not imported. No Ray here (only
 ``collectives.measure_links`` launches Ray workers).
 """

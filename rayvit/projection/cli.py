@@ -18,7 +18,7 @@ from rayvit.projection.hints import fit_hints
 from rayvit.projection.performance import ComputeRate, Projection, project_grid
 from rayvit.projection.profiles import HardwareProfile, get_profile
 from rayvit.projection.rates import load_rate
-from rayvit.worker.strategies import strategy_class
+from rayvit.strategies import strategy_class
 
 STUDY_NOTE = ("Published (ViT-H/16 on A100s, the study this project reproduces): FSDP 1.83x DDP at 64 GPUs; the "
               "optimization stack 1.51x, 256 px 1.86x, full FP16 2.18x, all against a DDP + AMP O1 baseline "

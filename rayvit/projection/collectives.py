@@ -356,8 +356,8 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
         links["host_wait_curve"] = curve
     links["seconds"] = time.perf_counter() - start
     if device.type == "cuda":
-        # What picks the hardware profile: the chip (rayvit.worker.hardware's name) and its memory size.
-        from rayvit.worker.hardware import accelerator_name
+        # What picks the hardware profile: the chip (rayvit.training.hardware's name) and its memory size.
+        from rayvit.training.hardware import accelerator_name
 
         links.update(device_name=accelerator_name(device),
                      device_memory_bytes=int(torch.cuda.get_device_properties(device).total_memory))
@@ -370,7 +370,7 @@ def collective_paths(cfgs: list, device) -> dict[str, float]:
     strategy whose probe fails is left out with a warning: the projection then costs its messages
     without it."""
     from rayvit.config import from_dict
-    from rayvit.worker.strategies import strategy_class
+    from rayvit.strategies import strategy_class
 
     out: dict[str, Optional[float]] = {}
     for raw in cfgs:

@@ -3,7 +3,7 @@
 ``bytes`` is the collective's size as nccl-tests counts it (the whole array: an all-gather's output, a
 reduce-scatter's input), so its time is ``latency + factor(kind, n) x bytes / busbw`` with the factors of
 :func:`bus_factor`. Each strategy lists its own messages (``Strategy.step_messages``; what DDP, FSDP2,
-FairScale FSDP and OSS issue is written beside each in :mod:`rayvit.worker.strategies`).
+FairScale FSDP and OSS issue is written beside each in :mod:`rayvit.strategies`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 from rayvit.config import Config
-from rayvit.projection.costs import Layout, Message, bus_factor
-from rayvit.worker.strategies import strategy_class
+from rayvit.strategies.costs import Layout, Message, bus_factor
+from rayvit.strategies import strategy_class
 
 
 def step_messages(cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None

@@ -21,8 +21,8 @@ def saved_bytes_per_image(cfg: Config, device, batch: int = 4) -> float:
     import torch
 
     from rayvit.models import build_model
-    from rayvit.worker.precision import Precision
-    from rayvit.worker.strategies import strategy_class
+    from rayvit.training.precision import Precision
+    from rayvit.strategies import strategy_class
 
     precision = Precision(cfg.precision, device, strategy_class(cfg.parallel.strategy).owns_mixed_precision)
     model = precision.prepare_model(build_model(cfg.model).to(device))

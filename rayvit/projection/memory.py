@@ -1,7 +1,7 @@
 """Bytes per rank: parameters, gradients, master copies, optimizer state, activations; fit and largest batch.
 
 Model state follows what each library does, tensor by tensor (``shapes.vit_tensors``): each strategy says
-what a rank holds (``Strategy.rank_state``, written beside each in :mod:`rayvit.worker.strategies`).
+what a rank holds (``Strategy.rank_state``, written beside each in :mod:`rayvit.strategies`).
 ``model_state`` returns the largest rank, as ``Session.summary`` reports (max over ranks).
 """
 
@@ -13,11 +13,11 @@ from typing import Optional
 from rayvit.config import Config
 from rayvit.models import vit_complexity
 from rayvit.models.checkpointing import checkpointed_blocks
-from rayvit.projection.costs import Layout, StateBytes
-from rayvit.projection.dtypes import FULL, Dtypes
+from rayvit.strategies.costs import Layout, StateBytes
+from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
-from rayvit.projection.shapes import sequence_length, vit_tensors
-from rayvit.worker.strategies import strategy_class
+from rayvit.strategies.shapes import sequence_length, vit_tensors
+from rayvit.strategies import strategy_class
 
 
 def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,

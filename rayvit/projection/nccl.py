@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from rayvit.projection.costs import bus_factor
+from rayvit.strategies.costs import bus_factor
 
 US = 1e-6
 PROTOCOLS = ("ll", "ll128", "simple")

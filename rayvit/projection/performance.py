@@ -48,10 +48,10 @@ from rayvit.config import BASELINE, Config, ConfigError
 from rayvit.models import vit_complexity
 from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.projection import comms, memory, nccl, roofline
-from rayvit.projection.costs import Layout
-from rayvit.projection.dtypes import FULL, Dtypes
+from rayvit.strategies.costs import Layout
+from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
-from rayvit.worker.strategies import strategy_class
+from rayvit.strategies import strategy_class
 
 FORWARD_SHARE = 1 / 3
 
@@ -229,7 +229,7 @@ def peak_flops(cfg: Config, profile: HardwareProfile) -> Optional[float]:
     if peak is None and profile.accelerator is None:
         import torch
 
-        from rayvit.worker.hardware import measured_matmul_flops
+        from rayvit.training.hardware import measured_matmul_flops
 
         dtype = torch.float32 if cfg.precision.mode == "fp32" else torch.bfloat16
         peak = measured_matmul_flops("cpu", dtype, cfg.parallel.cpus_per_worker)

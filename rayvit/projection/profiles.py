@@ -73,7 +73,7 @@ class Link:
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
-    accelerator: Optional[str]          # key of rayvit.worker.hardware.PEAK_TFLOPS (or an unknown GPU's
+    accelerator: Optional[str]          # key of rayvit.training.hardware.PEAK_TFLOPS (or an unknown GPU's
                                         # name, no peak), None for CPUs
     memory_gib: float                   # device memory per chip
     memory_bw: float                    # device memory bandwidth, bytes/s (bounds the optimizer step)

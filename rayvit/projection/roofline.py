@@ -39,8 +39,8 @@ from typing import Optional
 from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, NO_BF16_TENSOR_CORES, ChipSpec
 from rayvit.config import Config
 from rayvit.models.checkpointing import checkpointed_blocks
-from rayvit.projection.dtypes import FULL, HALF, Dtypes
-from rayvit.projection.shapes import sequence_length
+from rayvit.strategies.dtypes import FULL, HALF, Dtypes
+from rayvit.strategies.shapes import sequence_length
 
 TILES = ((128, 128), (128, 256), (256, 128))
 # Cycles a GEMM tile spends beyond its math (the first loads of its software pipeline, its epilogue), and

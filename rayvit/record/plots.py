@@ -33,7 +33,7 @@ _CAPTION = (
 def strategy_colour(name: str) -> Optional[str]:
     """A strategy's colour in every figure and in the MLflow UI (``Strategy.colour``; DDP, the baseline,
     grey-black); None for a series that is not a registered strategy (matplotlib's next colour)."""
-    from rayvit.worker.strategies import STRATEGIES  # torch comes with them: only once a figure is drawn
+    from rayvit.strategies import STRATEGIES  # torch comes with them: only once a figure is drawn
 
     strategy = STRATEGIES.get(name)
     return strategy.colour if strategy else None

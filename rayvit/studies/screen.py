@@ -129,7 +129,7 @@ def time_steps(cfgs: Sequence[Config], *, steps: int, max_seconds: float, rounds
 
     from rayvit.models import vit_complexity
     from rayvit.worker import Session
-    from rayvit.worker.hardware import accelerator_name
+    from rayvit.training.hardware import accelerator_name
 
     times: list[list[list[float]]] = [[] for _ in cfgs]
     spent = [0.0] * len(cfgs)

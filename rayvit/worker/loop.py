@@ -25,11 +25,13 @@ from rayvit.config import Config, as_config
 from rayvit.data import build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
-from rayvit.worker import agree, checkpoint, compiling, hardware, metrics
-from rayvit.worker.optim import build_scheduler, state_bytes, tensors_bytes
-from rayvit.worker.precision import Precision, grads_of
+from rayvit.training import hardware
+from rayvit.training import checkpoint
+from rayvit.worker import agree, compiling, metrics
+from rayvit.training.optim import build_scheduler, state_bytes, tensors_bytes
+from rayvit.training.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
-from rayvit.worker.strategies import ensure_process_group, rank, strategy_class, world_size
+from rayvit.strategies import ensure_process_group, rank, strategy_class, world_size
 
 
 def default_device(cfg: Config) -> torch.device:

@@ -8,7 +8,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 import rayvit
-from rayvit.worker import hardware
+from rayvit.training import hardware
 
 
 def images_per_sec(batch_size: int, steps: int, seconds: float) -> float:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from rayvit.config import Config
 from rayvit.worker.agree import GroupAbandoned, agree_on_outcome, new_series
 from rayvit.worker.loop import train
-from rayvit.worker.strategies import strategy_class
+from rayvit.strategies import strategy_class
 
 # Called after each run of each round with (index of the run, round, slot, result dict or None, error).
 RoundHook = Callable[[int, int, int, Optional[dict], Optional[str]], None]

@@ -14,8 +14,8 @@ import pytest
 
 from rayvit.config import load_config
 from rayvit.projection import memory
-from rayvit.projection.shapes import vit_tensors
-from rayvit.worker.strategies import fairscale_oss as oss
+from rayvit.strategies.shapes import vit_tensors
+from rayvit.strategies import fairscale_oss as oss
 
 from shared import reduce_dtype
 

@@ -101,7 +101,7 @@ def _clipped_runs(rank: int) -> dict:
     Runs: ddp, fairscale_oss, and fairscale_oss clipped with torch's plain clip_grad_norm_ instead of OSS's own.
     """
     from rayvit.worker import Session
-    from rayvit.worker.strategies.base import Strategy
+    from rayvit.strategies.base import Strategy
 
     out = {}
     for name, strategy in (("ddp", "ddp"), ("oss", "fairscale_oss"), ("oss_plain_clip", "fairscale_oss")):
@@ -143,7 +143,7 @@ def _fairscale_shards_after_a_step(rank: int, optim: str) -> list[tuple[torch.Te
     """(this rank's shard after one step, the same slice of the unwrapped model's step) per flat param."""
     from fairscale.nn import FullyShardedDataParallel as Wrapper
 
-    from rayvit.worker.optim import owned_parameters
+    from rayvit.training.optim import owned_parameters
 
     # The unit tier's FairScale helpers; its folder is on sys.path only when pytest collected it too.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))

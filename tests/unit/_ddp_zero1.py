@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from rayvit.config import Config
-from rayvit.projection.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
+from rayvit.strategies.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
                                      partition_broadcasts, tensor_state)
-from rayvit.projection.shapes import Tensor
-from rayvit.worker.optim import optimizer_spec, param_groups
-from rayvit.worker.strategies.base import rank
-from rayvit.worker.strategies.ddp import DDP
+from rayvit.strategies.shapes import Tensor
+from rayvit.training.optim import optimizer_spec, param_groups
+from rayvit.strategies.base import rank
+from rayvit.strategies.ddp import DDP
 
 
 def zero_owner(tensors: list[Tensor], world: int) -> dict[str, int]:

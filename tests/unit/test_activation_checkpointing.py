@@ -98,8 +98,8 @@ def test_fairscale_fsdp_uses_fairscales_own_wrapper():
     import torch
 
     from rayvit.models import build_model
-    from rayvit.worker.precision import Precision
-    from rayvit.worker.strategies.fairscale_fsdp import FairScaleFSDP
+    from rayvit.training.precision import Precision
+    from rayvit.strategies.fairscale_fsdp import FairScaleFSDP
 
     cfg = load_config(DEFAULT, ["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true",
                                 "model.activation_checkpointing=block", "model.depth=2"])

@@ -14,10 +14,11 @@ from torch import nn
 from rayvit.config import ConfigError, load_config, load_study
 from rayvit.models import build_model
 from rayvit.studies.plan import plan
-from rayvit.worker import Session, hardware
-from rayvit.worker.optim import build_optimizer, param_groups
-from rayvit.worker.precision import Precision
-from rayvit.worker.strategies import Strategy, ensure_process_group, strategy_class
+from rayvit.training import hardware
+from rayvit.worker import Session
+from rayvit.training.optim import build_optimizer, param_groups
+from rayvit.training.precision import Precision
+from rayvit.strategies import Strategy, ensure_process_group, strategy_class
 
 CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
 CPU = torch.device("cpu")
@@ -223,7 +224,7 @@ def _reference_step(cfg, seed, grads_seed):
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
 def test_fairscale_flat_parameters_decay_exactly_like_the_unwrapped_model(one_rank, optim):
     """Flat parameters mix decayed matrices with undecayed biases, norms, position embedding and class token."""
-    from rayvit.worker.optim import owned_parameters
+    from rayvit.training.optim import owned_parameters
 
     cfg, strategy, model, optimizer = _fairscale([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
     assert any(type(p).__name__ == "FlatParameter" for p in model.parameters())

@@ -113,8 +113,8 @@ def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
     from fairscale.nn import FullyShardedDataParallel
 
     from rayvit.models import build_model
-    from rayvit.worker import checkpoint
-    from rayvit.worker.strategies.fairscale_fsdp import FairScaleFSDP
+    from rayvit.training import checkpoint
+    from rayvit.strategies.fairscale_fsdp import FairScaleFSDP
 
     cfg = load_config("cpu_default")
     model = build_model(cfg.model)

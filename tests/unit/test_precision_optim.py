@@ -5,12 +5,12 @@ import warnings
 import pytest
 import torch
 
-from rayvit.worker import hardware, precision
+from rayvit.training import hardware, precision
 from rayvit.config import ConfigError, load_config
 from rayvit.models import build_model
-from rayvit.worker.optim import build_optimizer, lr_factor, param_groups
+from rayvit.training.optim import build_optimizer, lr_factor, param_groups
 from rayvit.worker import Session, train
-from rayvit.worker.strategies import strategy_class
+from rayvit.strategies import strategy_class
 
 TINY = ["train.batch_size=16", "train.steps=30", "train.warmup_steps=2", "optim.lr=2e-3"]
 

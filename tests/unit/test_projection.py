@@ -16,7 +16,7 @@ from rayvit.projection.collectives import fit_link, host_wait, wait_probe, worke
 from rayvit.projection.insweep import sweep_profile
 from rayvit.projection.performance import ComputeRate, compute_from_measured, project
 from rayvit.projection.profiles import Link, cpu_profile, get_profile, with_measured_links
-from rayvit.projection.shapes import vit_tensors
+from rayvit.strategies.shapes import vit_tensors
 
 from shared import COMBOS, reduce_dtype, two_ranks, vit_b16
 
@@ -299,7 +299,7 @@ def test_measured_links_override_the_profile_within_their_span():
     assert profile.link("all_gather", 64).busbw == pytest.approx(40e9 * 0.96)
 
 
-# Every name rayvit.worker.hardware.accelerator_for_name returns (the PEAK_TFLOPS keys), reached from
+# Every name rayvit.training.hardware.accelerator_for_name returns (the PEAK_TFLOPS keys), reached from
 # the CUDA device names the chips report, with their memory as CUDA gives it (bytes).
 DEVICES = [("Tesla V100-SXM2-16GB", 16.9e9, "V100", "v100-16gb"), ("Tesla V100-SXM2-32GB", 34.1e9, "V100", "v100-32gb"),
            ("NVIDIA A100-SXM4-40GB", 42.3e9, "A100", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 85.1e9, "A100", "a100-80gb"),
@@ -314,7 +314,7 @@ def test_every_known_gpu_variant_has_a_profile_of_its_own(device_name, memory_by
     import warnings
 
     from rayvit.projection.profiles import profile_for_accelerator
-    from rayvit.worker.hardware import PEAK_TFLOPS, accelerator_for_name
+    from rayvit.training.hardware import PEAK_TFLOPS, accelerator_for_name
 
     assert accelerator_for_name(device_name) == accelerator
     with warnings.catch_warnings():
@@ -338,7 +338,7 @@ def test_every_known_gpu_variant_has_a_profile_of_its_own(device_name, memory_by
 
 def test_every_accelerator_name_is_covered_and_variants_differ():
     from rayvit.projection.profiles import PROFILES, profile_for_accelerator
-    from rayvit.worker.hardware import PEAK_TFLOPS
+    from rayvit.training.hardware import PEAK_TFLOPS
 
     assert {d[2] for d in DEVICES} == set(PEAK_TFLOPS)
     # Every profile but the fabric variants, which a user names (dgx-a100: an A100 80GB on HDR InfiniBand).
@@ -429,7 +429,7 @@ def _links_with_curves_and_paths(rank):
     cfgs = [load_config(DEFAULT, [f"parallel.strategy={s}"]).to_dict() for s in ("ddp", "fsdp")]
     links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "strategy_configs": cfgs,
                               "host_waits": [[[2e-3, 1e-3], [10e-3, 2e-3]], [[2e-3, 3e-3], [10e-3, 4e-3]]]})
-    from rayvit.worker.strategies.fsdp import FSDP
+    from rayvit.strategies.fsdp import FSDP
 
     # bf16 gathers from fp32 shards, with the LayerNorm groups of their own that `mixed` adds.
     mixed = FSDP.collective_path_s(load_config(DEFAULT, ["parallel.strategy=fsdp", "precision.mode=mixed",

@@ -12,10 +12,10 @@ import pytest
 
 from rayvit.config import load_config
 from rayvit.projection import comms, nccl, roofline
-from rayvit.projection.costs import chunk_rows
+from rayvit.strategies.costs import chunk_rows
 from rayvit.projection.performance import expected_max, project, project_grid
 from rayvit.projection.profiles import get_profile
-from rayvit.projection.shapes import vit_tensors
+from rayvit.strategies.shapes import vit_tensors
 
 from shared import two_ranks
 

@@ -12,9 +12,9 @@ from rayvit.config import ConfigError, load_config, load_study
 from rayvit.projection import comms, memory
 from rayvit.projection.performance import ComputeRate, project
 from rayvit.projection.profiles import get_profile
-from rayvit.projection.shapes import vit_tensors
+from rayvit.strategies.shapes import vit_tensors
 from rayvit.record.plots import strategy_colour
-from rayvit.worker.strategies import STRATEGIES
+from rayvit.strategies import STRATEGIES
 
 from _ddp_zero1 import DDPZero1, zero_owner
 from shared import flag_apart, spied, two_ranks, vit_b16

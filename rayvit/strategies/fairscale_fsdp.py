@@ -37,11 +37,11 @@ import torch
 from torch import nn
 
 from rayvit.config import Config
-from rayvit.projection.costs import (Layout, Message, ShardGroup, StateBytes, optimizer_bytes, sharded_messages,
+from rayvit.strategies.costs import (Layout, Message, ShardGroup, StateBytes, optimizer_bytes, sharded_messages,
                                      sharded_transient, tensor_state)
-from rayvit.projection.shapes import ROOT_UNIT, fsdp_units
-from rayvit.worker.optim import build_optimizer, owned_parameters
-from rayvit.worker.strategies.base import Strategy, pure_reduce_refusal, rank, world_size
+from rayvit.strategies.shapes import ROOT_UNIT, fsdp_units
+from rayvit.training.optim import build_optimizer, owned_parameters
+from rayvit.strategies.base import Strategy, pure_reduce_refusal, rank, world_size
 
 FAIRSCALE_BUCKET = 25 * 2 ** 20    # FullyShardedDataParallel(bucket_cap_mb=25), the root's, shared by all
 

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from rayvit.config import Config
-from rayvit.projection.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
+from rayvit.strategies.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
                                      partition_broadcasts, tensor_state)
-from rayvit.projection.shapes import Tensor, optimizer_order
-from rayvit.worker.optim import optimizer_spec, param_groups, weight_decay_plan
-from rayvit.worker.strategies.base import Strategy, pure_reduce_refusal
+from rayvit.strategies.shapes import Tensor, optimizer_order
+from rayvit.training.optim import optimizer_spec, param_groups, weight_decay_plan
+from rayvit.strategies.base import Strategy, pure_reduce_refusal
 
 SHARDED_DDP_BUCKET = 2 ** 23   # FairScale ShardedDDP reduce_buffer_size default (elements)
 

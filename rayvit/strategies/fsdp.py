@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from rayvit.config import Config
-from rayvit.projection.costs import (Layout, Message, ShardGroup, StateBytes, chunk_local, sharded_messages,
+from rayvit.strategies.costs import (Layout, Message, ShardGroup, StateBytes, chunk_local, sharded_messages,
                                      sharded_transient, tensor_state)
-from rayvit.projection.shapes import ROOT_UNIT, fsdp_units
-from rayvit.worker.checkpoint import SHARDED_DIR
-from rayvit.worker.strategies.base import Strategy, world_size
+from rayvit.strategies.shapes import ROOT_UNIT, fsdp_units
+from rayvit.training.checkpoint import SHARDED_DIR
+from rayvit.strategies.base import Strategy, world_size
 
 
 def groups(layout: Layout) -> list[ShardGroup]:
@@ -103,7 +103,7 @@ class FSDP(Strategy):
 
         from rayvit.models import build_model
         from rayvit.projection.collectives import aligned_all_gather_s, aligned_s
-        from rayvit.worker.precision import Precision
+        from rayvit.training.precision import Precision
 
         n = world_size()
         if n <= 1:

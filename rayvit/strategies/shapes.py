@@ -84,5 +84,5 @@ def fsdp_units(tensors: list[Tensor]) -> dict[str, list[Tensor]]:
 
 
 def optimizer_order(tensors: list[Tensor]) -> list[Tensor]:
-    """The order ``rayvit.worker.optim.param_groups`` hands tensors to an optimizer: decayed group, then the rest."""
+    """The order ``rayvit.training.optim.param_groups`` hands tensors to an optimizer: decayed group, then the rest."""
     return [t for t in tensors if not t.no_decay] + [t for t in tensors if t.no_decay]

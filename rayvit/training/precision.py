@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rayvit.config import PrecisionConfig
-from rayvit.worker.optim import local_shard
+from rayvit.training.optim import local_shard
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _warned_cpu_fp16 = False

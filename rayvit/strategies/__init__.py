@@ -15,11 +15,11 @@ below. ``rayvit.config.BASELINE`` names the strategy every figure is compared to
 from __future__ import annotations
 
 from rayvit.config import BASELINE
-from rayvit.worker.strategies.base import Strategy, ensure_process_group, rank, world_size
-from rayvit.worker.strategies.ddp import DDP
-from rayvit.worker.strategies.fairscale_fsdp import FairScaleFSDP
-from rayvit.worker.strategies.fairscale_oss import FairScaleOSS
-from rayvit.worker.strategies.fsdp import FSDP
+from rayvit.strategies.base import Strategy, ensure_process_group, rank, world_size
+from rayvit.strategies.ddp import DDP
+from rayvit.strategies.fairscale_fsdp import FairScaleFSDP
+from rayvit.strategies.fairscale_oss import FairScaleOSS
+from rayvit.strategies.fsdp import FSDP
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDP, FSDP, FairScaleOSS, FairScaleFSDP)}
 assert BASELINE in STRATEGIES, f"the baseline strategy {BASELINE} is not registered"

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rayvit.projection.costs import Layout, Message
-from rayvit.projection.shapes import Tensor
-from rayvit.worker.strategies.base import Strategy
+from rayvit.strategies.costs import Layout, Message
+from rayvit.strategies.shapes import Tensor
+from rayvit.strategies.base import Strategy
 
 DDP_FIRST_BUCKET = 2 ** 20          # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET = 25 * 2 ** 20           # DistributedDataParallel(bucket_cap_mb=25)

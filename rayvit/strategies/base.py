@@ -5,7 +5,7 @@ worker loop (:mod:`rayvit.worker.loop`) calls one object through this interface 
 strategy it holds. The class also answers, without torch, what the rest of rayvit asks about it: config
 validation (:meth:`Strategy.refuses`, ``compile_unsupported``), the projection's cost model (the
 collectives of a step, bytes per rank, optimizer elements, transient buffers; in the terms of
-:mod:`rayvit.projection.costs`), the figures' colour. Adding a strategy is one module in this package and
+:mod:`rayvit.strategies.costs`), the figures' colour. Adding a strategy is one module in this package and
 one registry line.
 """
 
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayvit.worker import checkpoint
-from rayvit.worker.optim import build_optimizer, param_groups, weight_decay_plan
-from rayvit.worker.precision import MasterWeights, Precision
+from rayvit.training import checkpoint
+from rayvit.training.optim import build_optimizer, param_groups, weight_decay_plan
+from rayvit.training.precision import MasterWeights, Precision
 
 from rayvit.config import reduces_in_half
-from rayvit.projection.costs import Layout, Message, StateBytes, tensor_state
+from rayvit.strategies.costs import Layout, Message, StateBytes, tensor_state
 
 if TYPE_CHECKING:
     from rayvit.config import Config

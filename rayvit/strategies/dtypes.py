@@ -1,6 +1,6 @@
 """Bytes per element of each thing a precision level stores or sends, per strategy.
 
-Mirrors ``rayvit.worker.precision`` (and the strategy changes planned beside it, as parameters). A
+Mirrors ``rayvit.training.precision`` (and the strategy changes planned beside it, as parameters). A
 strategy that owns ``mixed`` itself (``Strategy.owns_mixed_precision``: FSDP2, FairScale FSDP) keeps fp32
 shards as the master copy and gathers half weights for compute:
 
@@ -35,8 +35,8 @@ class Dtypes:
 
     @classmethod
     def of(cls, cfg: Config, layer_norm_fp32: bool | None = None) -> "Dtypes":
-        # The strategies import this module (through rayvit.projection.costs): their registry, at call time.
-        from rayvit.worker.strategies import strategy_class
+        # The strategies import this module (through rayvit.strategies.costs): their registry, at call time.
+        from rayvit.strategies import strategy_class
 
         ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
         return cls(cfg.precision.mode, strategy_class(cfg.parallel.strategy).owns_mixed_precision,

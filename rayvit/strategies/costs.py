@@ -1,6 +1,6 @@
 """What a parallel strategy tells the projection about one training step: the words of its cost model.
 
-Each strategy (:mod:`rayvit.worker.strategies`) answers the projection's questions itself, in these
+Each strategy (:mod:`rayvit.strategies`) answers the projection's questions itself, in these
 terms: the collectives it issues (:class:`Message`), the bytes each rank holds (:class:`StateBytes`), the
 elements its optimizer steps and its transient buffers, all for one :class:`Layout` (a config at a chip
 count). The projection (``comms``, ``memory``, ``performance``) asks the strategy; it never matches a name.
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from rayvit.config import Config
-from rayvit.projection.dtypes import FULL, Dtypes
-from rayvit.projection.shapes import Tensor, fsdp_units, vit_tensors
+from rayvit.strategies.dtypes import FULL, Dtypes
+from rayvit.strategies.shapes import Tensor, fsdp_units, vit_tensors
 
 STEP_BYTES = 4                 # Adam's per-tensor `step` counter: a 0-d fp32 tensor
 
