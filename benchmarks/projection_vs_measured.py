@@ -47,7 +47,7 @@ def run(cfg, tmp: str) -> list[dict]:
     import mlflow
 
     from rayvit.projection import insweep
-    from rayvit.projection.collectives import describe
+    from rayvit.projection.profiles import describe_links as describe
     from rayvit.studies.sweep import run_sweep
 
     report = run_sweep(cfg, experiment="projection-benchmark")

@@ -23,20 +23,12 @@ from typing import Any, Iterable, Literal, Optional
 
 import yaml
 
-from rayvit.config_build import ConfigError, _build
+from rayvit.config_build import build
+from rayvit.config_rules import LADDER_RUNGS, resolved_model, validate, validate_search, validate_sweep
+from rayvit.errors import ConfigError
+from rayvit.strategies import BASELINE
+from rayvit.strategies.dtypes import reduces_in_half
 
-
-# The strategy every figure is compared to (the study's baseline): DDP.
-BASELINE = "ddp"
-
-
-def reduces_in_half(cfg: "Config") -> bool:
-    """Whether ``cfg``'s half-precision gradients are reduced in half (``parallel.reduce_dtype`` resolved)."""
-    return _half_reduce(cfg.parallel, cfg.precision)
-
-
-def _half_reduce(p: "ParallelConfig", prec: "PrecisionConfig") -> bool:
-    return p.reduce_dtype == "half" or (p.reduce_dtype == "auto" and prec.mode == "pure")
 
 
 def rayvit_home() -> Path:
@@ -234,9 +226,6 @@ class LaunchConfig:
     # empty: that variable if set, else 30 s.
     worker_start_timeout_s: Optional[float] = None
 
-
-LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
-                "batch_second", "image_256", "full_half", "compile", "activation_checkpointing")
 
 
 @dataclass
@@ -438,27 +427,23 @@ def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = 
 def study_from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = (), *,
                     baseline_required: bool = True) -> Study:
     """Build a validated :class:`Study` from the YAML file's shape plus overrides."""
-    from rayvit.config_rules import validate_search, validate_sweep
-
     data = _with_overrides(data, overrides)
     unknown = sorted(set(data) - set(RUN_SECTIONS) - set(STUDY_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]!r} in config; allowed: "
                           f"{', '.join(RUN_SECTIONS + STUDY_SECTIONS)}")
     study = Study(run=_run_config({k: v for k, v in data.items() if k in RUN_SECTIONS}),
-                  sweep=_build(SweepConfig, data.get("sweep"), "sweep."),
-                  search=_build(SearchConfig, data.get("search"), "search."),
-                  tracking=_build(TrackingConfig, data.get("tracking"), "tracking."))
+                  sweep=build(SweepConfig, data.get("sweep"), "sweep."),
+                  search=build(SearchConfig, data.get("search"), "search."),
+                  tracking=build(TrackingConfig, data.get("tracking"), "tracking."))
     validate_sweep(study.sweep, baseline_required=baseline_required)
     validate_search(study.search)
     return study
 
 
 def _run_config(data: dict[str, Any]) -> Config:
-    from rayvit.config_rules import _resolved_model, validate
-
-    cfg = _build(Config, data, "")
-    cfg = dataclasses.replace(cfg, model=_resolved_model(cfg.model))
+    cfg = build(Config, data, "")
+    cfg = dataclasses.replace(cfg, model=resolved_model(cfg.model))
     validate(cfg)
     return cfg
 

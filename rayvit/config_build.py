@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 from rayvit.errors import ConfigError
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def build(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -32,7 +32,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
+        return build(tp, value, key + ".")
     if origin in (Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         if value is None or value in ("", "none", "None", "null"):

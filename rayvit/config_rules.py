@@ -6,23 +6,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from typing import TYPE_CHECKING
 
-from rayvit.config import (BASELINE, LADDER_RUNGS, Config, ConfigError, DataConfig, LaunchConfig, ModelConfig,
-                           OptimConfig, ParallelConfig, SearchConfig, SweepConfig, TrainConfig)
+from rayvit.errors import ConfigError
 from rayvit.models.presets import ARCH_KEYS, MODEL_PRESETS
-# Each strategy says what it cannot run (Strategy.refuses, compile_unsupported, dtensor_params). Imported
-# here, at validation time: the strategies import rayvit.config.
-from rayvit.training.optim import fused_unavailable
-from rayvit.strategies import STRATEGIES
+# Each strategy's cost half says what it cannot run (refuses, compile_unsupported, ...), without torch.
+from rayvit.strategies import BASELINE, STRATEGIES
+
+if TYPE_CHECKING:
+    from rayvit.config import (Config, DataConfig, LaunchConfig, ModelConfig, OptimConfig, ParallelConfig,
+                               SearchConfig, SweepConfig, TrainConfig)
+
+# The optimization ladder's rungs, in the order they are climbed (rayvit/studies/ladder.yaml).
+LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
+                "batch_second", "image_256", "full_half", "compile", "activation_checkpointing")
 
 
-def _resolved_model(m: ModelConfig) -> ModelConfig:
+def resolved_model(m: "ModelConfig") -> "ModelConfig":
     """The model with its preset's architecture and the conv stem's default layers filled in."""
     if m.name != "custom":
         preset = MODEL_PRESETS[m.name]
         for key in ARCH_KEYS:
             given = getattr(m, key)
-            if given not in (None, getattr(ModelConfig, key), preset[key]):
+            if given not in (None, getattr(type(m), key), preset[key]):
                 raise ConfigError(
                     f"model.{key}={given} conflicts with model.name={m.name} ({key}={preset[key]}); "
                     f"use model.name=custom to set the architecture yourself")
@@ -97,12 +104,8 @@ def _validate_parallel(cfg: Config) -> None:
     _check(p.cpus_per_worker >= 1, f"parallel.cpus_per_worker={p.cpus_per_worker} must be at least 1")
     why = strategy.refuses(cfg)
     _check(why is None, str(why))
-    if cfg.optim.impl == "fused":
-        # Decided here, before any model is built or wrapped: torch's fused kernels per device, and over
-        # DTensor parameters (FSDP2) whether DTensor has a rule for the fused op.
-        why = fused_unavailable(cfg.optim.name, strategy.dtensor_params, "cuda" if p.use_gpu else "cpu")
-        _check(why is None, f"optim.impl=fused with optim.name={cfg.optim.name} and parallel.strategy="
-                            f"{p.strategy}: {why}; use optim.impl=foreach")
+    if "torch" in sys.modules:
+        check_with_torch(cfg)
     if cfg.model.activation_checkpointing != "none":
         why = strategy.checkpointing_unsupported
         _check(why is None, f"model.activation_checkpointing={cfg.model.activation_checkpointing} cannot run "
@@ -113,6 +116,21 @@ def _validate_parallel(cfg: Config) -> None:
         _check(cfg.train.warmup_steps >= 1,
                f"model.compile=true needs train.warmup_steps >= 1 (got {cfg.train.warmup_steps}): the first "
                "step compiles, and it must stay outside the timed window")
+
+
+def check_with_torch(cfg: "Config") -> None:
+    """What only torch can tell about ``cfg``: whether it has fused kernels for ``optim.impl=fused`` on the
+    device, and over FSDP2's DTensor parameters a sharding rule for the fused op. Validation runs it when
+    torch is loaded already (a config check, a dry run or a projection never load it); a trainer runs it
+    on the driver before any worker starts, and a session before it builds a model."""
+    if cfg.optim.impl != "fused":
+        return
+    from rayvit.training.optim import fused_unavailable
+
+    p = cfg.parallel
+    why = fused_unavailable(cfg.optim.name, STRATEGIES[p.strategy].dtensor_params, "cuda" if p.use_gpu else "cpu")
+    _check(why is None, f"optim.impl=fused with optim.name={cfg.optim.name} and parallel.strategy="
+                        f"{p.strategy}: {why}; use optim.impl=foreach")
 
 
 def _validate_data(d: DataConfig) -> None:

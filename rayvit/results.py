@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rayvit import stats
+
 # Numeric figures a summary holds (val_accuracy only when the data has a validation split; the reserved
 # memory and gpu_* figures only on CUDA, gpu_* only with NVML: absent elsewhere, never zero).
 METRIC_KEYS = (
@@ -95,7 +97,7 @@ class RunResult:
     restarts: int = 0
     per_rank: dict[str, list[Optional[float]]] = field(default_factory=dict)  # PER_RANK_KEYS -> by rank
     # The collective microbenchmark, measured on this run's own workers after training when the caller
-    # asked for it (``fit(..., measure_links=...)``; rayvit.projection.collectives); else None.
+    # asked for it (``fit(..., measure_links=...)``; rayvit.measure.links); else None.
     links: Optional[dict[str, Any]] = None
     # The slowest rank's time of each timed step of this run (one round).
     step_times: list[float] = field(default_factory=list)
@@ -146,9 +148,6 @@ class RunResult:
         accuracy, history, the other per-rank lists) is the last round's, each round being the same
         training run from the same seed.
         """
-        from rayvit import stats
-        from rayvit.worker.metrics import step_time_percentiles
-
         if not results:
             raise ValueError("a point needs at least one round")
         places = places or [(i, 0) for i in range(len(results))]
@@ -173,7 +172,7 @@ class RunResult:
             if lists:   # each rank's worst round, so that the run's figure stays the max over ranks
                 per_rank[key] = [max((v for v in values if v is not None), default=None) for values in zip(*lists)]
         every_step = [t for res in results for t in res.step_times]
-        metrics.update(step_time_percentiles(every_step))
+        metrics.update(stats.step_time_percentiles(every_step))
         metrics["timed_steps"] = float(len(every_step))
         metrics["wall_time_s"] = sum(res.metrics.get("wall_time_s", 0.0) for res in results)
         metrics.update(stats.intervals(rounds, metrics, last.conditions))

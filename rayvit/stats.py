@@ -70,6 +70,21 @@ class Estimate:
         return interval(self.median, self.lo, self.hi, spec, suffix)
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def step_time_percentiles(step_times: Sequence[float]) -> dict[str, float]:
+    return {"step_time_p50_s": quantile(step_times, 0.5), "step_time_p90_s": quantile(step_times, 0.9)}
+
+
 def cut(step_times: Sequence[float], size: int = BLOCK_STEPS) -> list[Block]:
     """Consecutive timed steps as blocks of ``size`` (a short tail joins the last block)."""
     times = [float(t) for t in step_times if t is not None and math.isfinite(t) and t > 0]
@@ -96,17 +111,9 @@ def _draw(rng: random.Random, items: Sequence[Any]) -> list[Any]:
 
 
 def _percentiles(values: list[float]) -> tuple[float, float]:
-    values = sorted(v for v in values if math.isfinite(v))
-    if not values:
-        return math.nan, math.nan
+    values = [v for v in values if math.isfinite(v)]
     tail = (1 - CONFIDENCE) / 2
-
-    def at(q: float) -> float:
-        position = q * (len(values) - 1)
-        low = math.floor(position)
-        high = min(low + 1, len(values) - 1)
-        return values[low] + (values[high] - values[low]) * (position - low)
-    return at(tail), at(1 - tail)
+    return quantile(values, tail), quantile(values, 1 - tail)
 
 
 def _estimate(point: float, replicates: list[float], rounds: int) -> Estimate:

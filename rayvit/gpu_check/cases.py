@@ -179,9 +179,20 @@ def check_layer_norm_fp32(device, strategy: str, dtype: str, steps: int = 4) -> 
     return facts
 
 
+# Where the reduce-dtype check sees the dtype a strategy reduces half gradients in at one rank: (module,
+# function, index of the tensor sent among its positional arguments). A strategy not listed reduces nothing
+# at one rank (FairScale FSDP forces fp32_reduce_scatter there; OSS reduces to the owner, itself): the
+# check then needs two GPUs.
+REDUCE_CALLS: dict[str, tuple[str, str, int]] = {
+    "ddp": ("torch.distributed", "all_reduce", 0),
+    # FSDP2 allocates its reduce-scatter input in the reduce dtype, at one rank too.
+    "fsdp": ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce_scatter_copy_in", 1),
+}
+
+
 def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str, steps: int = 3) -> str:
     """The dtype this strategy reduces half gradients in, seen where it hands them over
-    (``Strategy.reduce_call``): DDP's communication hook calls ``all_reduce``; FSDP2 fills the buffer it
+    (:data:`REDUCE_CALLS`): DDP's communication hook calls ``all_reduce``; FSDP2 fills the buffer it
     reduce-scatters from (allocated in the reduce dtype even at one rank). A strategy that reduces nothing
     at one rank (FairScale FSDP) is checked on two GPUs.
     """
@@ -190,11 +201,10 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
     import torch
 
     from rayvit.training.hardware import dtype_name
-    from rayvit.strategies import strategy_class
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     expected = torch.float32 if reduce == "fp32" else half
-    call = strategy_class(strategy).reduce_call
+    call = REDUCE_CALLS.get(strategy)
     if call is None:
         # At one rank FairScale reduces nothing and forces fp32_reduce_scatter: ->fp32 and ->half pass alike.
         if not (device.type == "cuda" and torch.cuda.device_count() >= 2):
@@ -209,7 +219,7 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
             raise RuntimeError(f"expected {dtype_name(expected)}: {facts}")
         return facts
     sent: list = []
-    module_name, name, index = call         # where the strategy hands its gradients over (Strategy.reduce_call)
+    module_name, name, index = call         # where the strategy hands its gradients over
     module = importlib.import_module(module_name)
     real = getattr(module, name)
 
@@ -409,7 +419,7 @@ def check_profile(device) -> str:
 def check_activation_memory(device, mode: str, extra: Optional[dict[str, Any]] = None) -> str:
     """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch
     (``extra``: more overrides, e.g. activation checkpointing, whose recomputed block is in the peak)."""
-    from rayvit.projection.memcheck import allocator_check
+    from rayvit.measure.memory import allocator_check
 
     cfg = small_config({"precision.mode": mode, "precision.dtype": "bf16", **(extra or {})}, steps=3)
     r = allocator_check(cfg, device)

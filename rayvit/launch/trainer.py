@@ -34,6 +34,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from rayvit.errors import TrainingError
 from rayvit import process_state
 from rayvit.config import Config, ConfigError, as_config, from_dict
+from rayvit.config_rules import check_with_torch
 from rayvit.launch import capacity
 from rayvit.launch.capacity import ClusterTooSmall
 from rayvit.launch.connect import ensure_ray, started_local
@@ -133,7 +134,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         if config.get("links") is not None:
             # The wait for the slowest rank drifts over seconds on a shared host: read it after every
             # round, so the links cover the same minutes as the points they project.
-            from rayvit.projection.collectives import wait_curve
+            from rayvit.measure.timers import wait_curve
 
             between = lambda r: waits.append(wait_curve(device))  # noqa: E731
         out: dict[str, Any] = {"group": measure_rounds(
@@ -200,7 +201,7 @@ def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
     It never fails the run it follows (an OOM on a small GPU, a collective the backend lacks): the error
     comes back as ``{"error": ...}`` and the sweep projects with the hardware profile's links.
     """
-    from rayvit.projection.collectives import worker_benchmark
+    from rayvit.measure.links import worker_benchmark
 
     try:
         return worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
@@ -291,6 +292,8 @@ class RayvitTrainer(TorchTrainer):
                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
                  group: Optional[list[Config]] = None, rounds: int = 1) -> None:
         cfg = as_config(cfg)
+        for each in [cfg, *(group or [])]:
+            check_with_torch(each)          # a config validated before torch was loaded was not asked
         if scaling_config is not None:
             _check_scaling(cfg, scaling_config)
         if datasets is not None:

@@ -1,7 +1,7 @@
 """The projection inside a real sweep: measure the links once, project every point, judge, record.
 
 For scaling sweeps ``rayvit.studies.sweep`` asks the workers of the first point at the largest worker
-count still to run for the links (the collective microbenchmark of ``rayvit.projection.collectives``,
+count still to run for the links (the collective microbenchmark of ``rayvit.measure.links``,
 run after that point's training on the same workers: no worker group of its own, and on an autoscaling
 cluster no node the points do not need), prints them with :func:`describe_measured`, and calls:
 
@@ -38,7 +38,7 @@ def links_count(points) -> Optional[int]:
 
 def describe_measured(links: dict, where: str) -> str:
     """The links as printed in a sweep: what was measured, on which point's workers, how long it took."""
-    from rayvit.projection.collectives import describe
+    from rayvit.projection.profiles import describe_links as describe
 
     return describe(links) + f"\n  (measured on the workers of {where} after their training, {links.get('seconds', 0):.0f} s)"
 

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from rayvit.accelerators import PEAK_TFLOPS
 from rayvit.config import ConfigError
@@ -38,7 +38,7 @@ class Link:
     """One kind of interconnect: achievable bus bandwidth (bytes/s) and per-message latency (s).
 
     A measured link also carries the host's wait for the slowest rank against the compute since the
-    previous collective (``wait_curve``: ``((gap_s, wait_s), ...)`` as ``rayvit.projection.collectives``
+    previous collective (``wait_curve``: ``((gap_s, wait_s), ...)`` as ``rayvit.measure.timers``
     reads it); its ``latency_s`` is then the transfer's alone.
     """
 
@@ -171,7 +171,7 @@ def network_load_factor(nodes: int) -> float:
 
 
 def with_measured_links(profile: HardwareProfile, links: dict) -> HardwareProfile:
-    """``profile`` with the collectives measured by ``rayvit.projection.collectives`` (a links dict)."""
+    """``profile`` with the collectives measured by ``rayvit.measure.links`` (a links dict)."""
     curve = tuple(tuple(float(x) for x in point) for point in links.get("host_wait_curve") or ())
     source = f"measured ({links.get('backend')}, {links.get('world_size')} ranks)"
     # With a wait curve the latency is the transfer's and the wait follows each message's gap; links
@@ -361,3 +361,26 @@ def profile_for_accelerator(accelerator: Optional[str], memory_bytes: Optional[f
                   f"({profile.source}); add the chip to rayvit.accelerators (PEAK_TFLOPS, CHIPS) and a profile to "
                   f"rayvit.projection.profiles for figures of its own", UnknownAcceleratorWarning, stacklevel=2)
     return profile
+
+
+def describe_links(links: dict[str, Any]) -> str:
+    """One line per collective: latency and bus bandwidth, as measured; then the wait for the slowest rank
+    and each strategy's own host path per collective, where measured."""
+    during = " (read between the rounds)" if links.get("host_waits_during_rounds") else ""
+    curve = links.get("host_wait_curve")
+    head = (f"collectives over {links['world_size']} {links['backend']} ranks on {links['nodes']} node(s) "
+            f"(shared-host slowdown {links.get('shared_host_slowdown', 1):.2f}, memory copy "
+            f"{links.get('memory_bw', 0) / 1e9:.1f} GB/s, {links.get('seconds', 0):.1f} s)")
+    if not curve:
+        head += f"; latency includes {links.get('host_wait_s', 0) * 1e6:.0f} us waiting for the slowest rank{during}"
+    lines = [head + ":"]
+    latency = "transfer_latency_s" if curve else "latency_s"
+    for kind, c in links["collectives"].items():
+        lines.append(f"  {kind:<15} latency {c.get(latency, c['latency_s']) * 1e6:8.0f} us  "
+                     f"busbw {c['busbw'] / 1e9:7.2f} GB/s")
+    if curve:
+        lines.append(f"  each message also waits for the slowest rank, more the longer the compute before it{during}: "
+                     + ", ".join(f"{w * 1e6:.0f} us after {g * 1e3:g} ms" for g, w in curve))
+    for name, seconds in (links.get("collective_path_s") or {}).items():
+        lines.append(f"  {name}'s own host path per collective (beyond its one-rank path): {seconds * 1e6:.0f} us")
+    return "\n".join(lines)

@@ -1,46 +1,55 @@
-"""The shape every parallel strategy has, and the distributed helpers they share.
+"""The shape every parallel strategy has, in two halves, and the distributed helpers they share.
 
-A strategy decides how the model, its gradients and its optimizer state are spread over ranks. The
-worker loop (:mod:`rayvit.worker.loop`) calls one object through this interface and never asks which
-strategy it holds. The class also answers, without torch, what the rest of rayvit asks about it: config
-validation (:meth:`Strategy.refuses`, ``compile_unsupported``), the projection's cost model (the
-collectives of a step, bytes per rank, optimizer elements, transient buffers; in the terms of
-:mod:`rayvit.strategies.costs`), the figures' colour. Adding a strategy is one module in this package and
-one registry line.
+A strategy decides how the model, its gradients and its optimizer state are spread over ranks. Each
+strategy module holds both halves:
+
+- its cost half, a :class:`StrategyCosts` subclass: what config validation (:meth:`~StrategyCosts.refuses`,
+  ``compile_unsupported``), the projection's cost model (the collectives of a step, bytes per rank,
+  optimizer elements, transient buffers; in the terms of :mod:`rayvit.strategies.costs`), tables and
+  figures (label, variants, colour) ask of it. No torch: ``rayvit project``, a dry run and a config
+  check import these modules without it.
+- its runtime half, a :class:`Strategy` subclass of its cost half: how it wraps, steps and saves the model
+  for the worker loop (:mod:`rayvit.worker.loop`), which calls one object through this interface and
+  never asks which strategy it holds. torch (and the library's own modules) are imported by the methods
+  that run, so that importing the module stays torch-free.
+
+Adding a strategy is one module and one :func:`~rayvit.strategies.registry.register` line.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from rayvit.training import checkpoint
-from rayvit.training.optim import build_optimizer, param_groups, weight_decay_plan
-from rayvit.training.precision import MasterWeights, Precision
-
-from rayvit.config import reduces_in_half
 from rayvit.strategies.costs import Layout, Message, StateBytes, tensor_state
+from rayvit.strategies.dtypes import reduces_in_half
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from rayvit.config import Config
+    from rayvit.training.precision import MasterWeights, Precision
 
 
 def world_size() -> int:
+    import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank() -> int:
+    import torch.distributed as dist
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def ensure_process_group(device: torch.device) -> bool:
+def ensure_process_group(device: "torch.device") -> bool:
     """Start a one-rank process group when none exists, so every strategy runs the same code path.
 
     Returns True when this call created it (the caller then destroys it).
     """
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -57,11 +66,10 @@ def pure_reduce_refusal(cfg: "Config", why: str) -> Optional[str]:
     return None
 
 
-class Strategy:
-    """One parallel strategy for one worker: wrap, optimizer, gradient clearing and clipping, checkpoints.
+class StrategyCosts:
+    """A strategy's cost half: what it allows, what a step costs, how it is named and drawn. No torch.
 
-    The defaults are those of a replicated strategy (every rank holds the whole model and optimizer):
-    subclasses override what their library does differently.
+    The defaults are those of a replicated strategy (every rank holds the whole model and optimizer).
     """
 
     name: ClassVar[str]
@@ -79,16 +87,10 @@ class Strategy:
     checkpointing_unsupported: ClassVar[Optional[str]] = None
     # Parameters are DTensors once wrapped (FSDP2): fused optimizers need DTensor rules for their ops.
     dtensor_params: ClassVar[bool] = False
-    # Where ``rayvit gpu-check`` sees the dtype half gradients are reduced in at one rank: (module, function,
-    # index of the tensor sent among its positional arguments); None when the library reduces nothing at
-    # one rank (the check then needs two GPUs).
-    reduce_call: ClassVar[Optional[tuple[str, str, int]]] = None
     # Its line's colour in every figure (None: matplotlib's next colour).
     colour: ClassVar[Optional[str]] = None
     # It honours ``parallel.reshard_after_forward`` (tables label the other setting "no reshard").
     reshards: ClassVar[bool] = False
-
-    # -- what it allows and what it costs (no torch: config validation and the projection ask) --------
 
     @classmethod
     def refuses(cls, cfg: "Config") -> Optional[str]:
@@ -115,14 +117,6 @@ class Strategy:
                                   "the projection cannot cost it")
 
     @classmethod
-    def collective_path_s(cls, cfg: "Config", device: torch.device) -> Optional[float]:
-        """Host work each of this strategy's collectives costs at more than one rank beyond the collective
-        itself and beyond the strategy's one-rank path (which its own 1-rank point measures): seconds per
-        message, measured on the current process group (every rank calls it alike), or None where the
-        strategy adds no such path. The links microbenchmark asks it; the projection adds it per message."""
-        return None
-
-    @classmethod
     def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
         """Bytes of parameters, gradients, masters and optimizer state ``rank`` holds. Replicated: all."""
         return tensor_state(layout, rank)
@@ -137,6 +131,13 @@ class Strategy:
         """Buffers that exist only during the step, beside model state and activations."""
         return 0
 
+
+class Strategy(StrategyCosts):
+    """A strategy's runtime half, for one worker: wrap, optimizer, gradient clearing and clipping,
+    checkpoints. The defaults are those of a replicated strategy: subclasses override what their library
+    does differently.
+    """
+
     # -- what the library keeps per process, beyond one run ------------------------------------------
 
     @classmethod
@@ -150,11 +151,11 @@ class Strategy:
         """The process group this library's groups were made from is gone (a one-process tool destroyed
         its own): drop any it cached, so that the next run makes them anew."""
 
-    def __init__(self, cfg: "Config", precision: Precision, device: torch.device) -> None:
+    def __init__(self, cfg: "Config", precision: "Precision", device: "torch.device") -> None:
         self.cfg = cfg
         self.precision = precision
         self.device = device
-        self.masters: Optional[MasterWeights] = None
+        self.masters: Optional["MasterWeights"] = None
 
     # -- building ------------------------------------------------------------------------------------
 
@@ -163,6 +164,8 @@ class Strategy:
 
         Weight decay is decided on the unwrapped model, where every tensor still has its shape and name.
         """
+        from rayvit.training.optim import weight_decay_plan
+
         plan = weight_decay_plan(model)
         self.checkpoint_blocks(model)
         self.compile_blocks(model)
@@ -188,6 +191,8 @@ class Strategy:
         """Under ``model.compile`` with ``compile_mode = "blocks"``: each encoder block becomes its compiled
         module, in place, before any wrapper sees it. Compiling is lazy: the first step compiles."""
         if self.cfg.model.compile and self.compile_mode == "blocks":
+            import torch
+
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = torch.compile(block, backend=self.cfg.model.compile_backend)
 
@@ -195,6 +200,8 @@ class Strategy:
         """What the loop calls for a forward pass: the wrapped model, compiled whole under
         ``model.compile`` with ``compile_mode = "wrapped"``."""
         if self.cfg.model.compile and self.compile_mode == "wrapped":
+            import torch
+
             return torch.compile(model, backend=self.cfg.model.compile_backend)
         return model
 
@@ -203,6 +210,9 @@ class Strategy:
 
     def build_optimizer(self, model: nn.Module, plan: dict) -> torch.optim.Optimizer:
         """Weight-decay groups from ``plan``, over an fp32 master copy where the precision keeps one."""
+        from rayvit.training.optim import build_optimizer, param_groups
+        from rayvit.training.precision import MasterWeights
+
         groups = param_groups(model, self.cfg.optim.weight_decay, plan)
         if self.precision.uses_master_weights:
             self.masters = MasterWeights([p for g in groups for p in g["params"]])
@@ -216,6 +226,8 @@ class Strategy:
         It governs half-precision gradients (``mixed``, ``pure``); fp32 gradients (``fp32``, ``amp``, and
         LayerNorm kept in fp32) are reduced in fp32 by every strategy.
         """
+        import torch
+
         if self.precision.mode in ("fp32", "amp") or not reduces_in_half(self.cfg):
             return torch.float32
         return self.precision.half
@@ -236,6 +248,8 @@ class Strategy:
     def clip_grad_norm_(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient. Replicated (reduced) gradients and FSDP2's DTensor
         gradients give every rank that same norm; sharding libraries override this with their own."""
+        import torch
+
         params = [p for g in optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
@@ -247,6 +261,10 @@ class Strategy:
 
     def save(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Replicated state: rank 0 writes one full copy (model, optimizer, master weights)."""
+        import torch
+
+        from rayvit.training import checkpoint
+
         optim_state = self.optimizer_state_dict(optimizer)
         if rank() == 0:
             state = {"model": self.unwrap(model).state_dict(), "optim": optim_state}
@@ -257,6 +275,10 @@ class Strategy:
             checkpoint.save_full_state(directory, state)
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import torch
+
+        from rayvit.training import checkpoint
+
         state = checkpoint.load_full_state(directory, self.device)
         self.unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])

@@ -15,11 +15,13 @@ No torch here, and nothing that imports the strategies (they import this module)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
-from rayvit.config import Config
 from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.strategies.shapes import Tensor, fsdp_units, vit_tensors
+
+if TYPE_CHECKING:
+    from rayvit.config import Config
 
 STEP_BYTES = 4                 # Adam's per-tensor `step` counter: a 0-d fp32 tensor
 

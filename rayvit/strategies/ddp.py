@@ -14,14 +14,14 @@ in reverse parameter order, 1 MiB first and then 25 MiB of gradient bytes per dt
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from typing import TYPE_CHECKING
 
+from rayvit.strategies.base import Strategy, StrategyCosts
 from rayvit.strategies.costs import Layout, Message
 from rayvit.strategies.shapes import Tensor
-from rayvit.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from torch import nn
 
 DDP_FIRST_BUCKET = 2 ** 20          # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DDP_BUCKET = 25 * 2 ** 20           # DistributedDataParallel(bucket_cap_mb=25)
@@ -35,6 +35,9 @@ def cast_allreduce_hook(wire_dtype, bucket):
 
     The sum is taken in the wire dtype and rounded back to the gradients' dtype once, in place.
     """
+    import torch
+    import torch.distributed as dist
+
     buffer = bucket.buffer()
     dtype = torch.float32 if buffer.dtype == torch.float32 else wire_dtype
     group = dist.group.WORLD
@@ -42,7 +45,7 @@ def cast_allreduce_hook(wire_dtype, bucket):
     wire = buffer.to(dtype).div_(dist.get_world_size(group))
     future = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
-    def copy_back(fut: torch.futures.Future) -> torch.Tensor:
+    def copy_back(fut):
         reduced = fut.value()[0]
         if reduced.dtype != buffer.dtype:
             buffer.copy_(reduced)
@@ -72,10 +75,11 @@ def ddp_buckets(tensors, width_of) -> list[list[Tensor]]:
     return buckets + [members for members, _ in open_.values() if members]
 
 
-class DDP(Strategy):
+class DDPCosts(StrategyCosts):
+    """DDP's cost half: the baseline's colour, its compile mode, its gradient buckets."""
+
     name = "ddp"
     colour = "#333333"          # the baseline: grey-black in every figure
-    reduce_call = ("torch.distributed", "all_reduce", 0)
     # torch.compile of the DDP-wrapped module, as DDP's documentation asks ("apply the DDP model wrapper
     # before compiling"): dynamo's DDPOptimizer (torch._dynamo.config.optimize_ddp, on by default) splits
     # the graph at the bucket boundaries so that each bucket's all-reduce still overlaps backward.
@@ -95,7 +99,13 @@ class DDP(Strategy):
         all-reduces them)."""
         return sum(t.numel * layout.dt.stored(t.norm) for t in layout.tensors)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+
+class DDP(DDPCosts, Strategy):
+    """DDP's runtime half: the model wrapped by torch's DistributedDataParallel."""
+
+    def wrap(self, model: "nn.Module") -> "nn.Module":
+        from torch.nn.parallel import DistributedDataParallel
+
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         # Half gradients (mixed, pure): reduce in parallel.reduce_dtype. fp32 gradients need no hook.

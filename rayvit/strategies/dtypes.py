@@ -20,10 +20,21 @@ LayerNorm's under ``mixed`` with ``layer_norm_fp32``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rayvit.config import Config, reduces_in_half
+from rayvit.strategies import registry
+
+if TYPE_CHECKING:
+    from rayvit.config import Config
 
 HALF, FULL = 2, 4
+
+
+def reduces_in_half(cfg: "Config") -> bool:
+    """Whether ``cfg``'s half-precision gradients are reduced in half (``parallel.reduce_dtype`` resolved:
+    ``auto`` is half under ``pure``, fp32 otherwise)."""
+    p = cfg.parallel
+    return p.reduce_dtype == "half" or (p.reduce_dtype == "auto" and cfg.precision.mode == "pure")
 
 
 @dataclass(frozen=True)
@@ -35,11 +46,8 @@ class Dtypes:
 
     @classmethod
     def of(cls, cfg: Config, layer_norm_fp32: bool | None = None) -> "Dtypes":
-        # The strategies import this module (through rayvit.strategies.costs): their registry, at call time.
-        from rayvit.strategies import strategy_class
-
         ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
-        return cls(cfg.precision.mode, strategy_class(cfg.parallel.strategy).owns_mixed_precision,
+        return cls(cfg.precision.mode, registry.strategy_class(cfg.parallel.strategy).owns_mixed_precision,
                    bool(ln) and cfg.precision.mode == "mixed", reduces_in_half(cfg))
 
     def stored(self, norm: bool) -> int:

@@ -32,16 +32,18 @@ than that goes at once, smaller ones wait in the bucket until it is full or back
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from rayvit.config import Config
+from rayvit.strategies.base import Strategy, StrategyCosts, pure_reduce_refusal, rank, world_size
 from rayvit.strategies.costs import (Layout, Message, ShardGroup, StateBytes, optimizer_bytes, sharded_messages,
                                      sharded_transient, tensor_state)
 from rayvit.strategies.shapes import ROOT_UNIT, fsdp_units
-from rayvit.training.optim import build_optimizer, owned_parameters
-from rayvit.strategies.base import Strategy, pure_reduce_refusal, rank, world_size
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from rayvit.config import Config
 
 FAIRSCALE_BUCKET = 25 * 2 ** 20    # FullyShardedDataParallel(bucket_cap_mb=25), the root's, shared by all
 
@@ -58,15 +60,17 @@ class MaskedWeightDecay:
         self.params, self.masks = params, masks
         self.weight_decay, self.decoupled = weight_decay, decoupled
 
-    @torch.no_grad()
     def apply(self, lr: float) -> None:
+        import torch
+
         if self.weight_decay == 0:
             return
-        for p, mask in zip(self.params, self.masks):
-            if self.decoupled:
-                p.mul_(torch.where(mask, 1.0 - lr * self.weight_decay, 1.0).to(p.dtype))
-            elif p.grad is not None:
-                p.grad.add_(p * mask, alpha=self.weight_decay)
+        with torch.no_grad():
+            for p, mask in zip(self.params, self.masks):
+                if self.decoupled:
+                    p.mul_(torch.where(mask, 1.0 - lr * self.weight_decay, 1.0).to(p.dtype))
+                elif p.grad is not None:
+                    p.grad.add_(p * mask, alpha=self.weight_decay)
 
 
 def flat_decay_mask(wrapper: nn.Module, flat: nn.Parameter, plan: dict) -> torch.Tensor:
@@ -76,6 +80,8 @@ def flat_decay_mask(wrapper: nn.Module, flat: nn.Parameter, plan: dict) -> torch
     ``_init_flatten_params`` and ``FlatParameter.get_param_views``) and shards the flat tensor with
     ``_get_shard`` (torch.chunk, zero padding; fully_sharded_data_parallel.py:740-754), used here too.
     """
+    import torch
+
     full = torch.cat([torch.full((numel,), float(plan[(id(module), name)]), device=flat.device)
                       for (_, module, name), numel in zip(flat._param_infos, flat._param_numels)])
     if getattr(flat, "_is_sharded", False):
@@ -126,7 +132,9 @@ def _bucket(bucket: list, n: int, width: int, phase: str) -> Message:
     return Message("reduce_scatter", bucket[0] * n * width, phase, "bucket: " + ", ".join(bucket[1]), width)
 
 
-class FairScaleFSDP(Strategy):
+class FairScaleFSDPCosts(StrategyCosts):
+    """FairScale FSDP's cost half: flat parameters per wrapped unit, its reduce-scatter bucketer, CUDA only."""
+
     name = "fairscale_fsdp"
     owns_mixed_precision = True
     reshards = True
@@ -181,13 +189,20 @@ class FairScaleFSDP(Strategy):
     def transient_bytes(cls, layout: Layout) -> int:
         return sharded_transient(layout)
 
+
+
+class FairScaleFSDP(FairScaleFSDPCosts, Strategy):
+    """FairScale FSDP's runtime half: its wrappers (and fp32 LayerNorm wrappers), flat-parameter weight
+    decay, its own clipping and sharded checkpoints."""
+
     @classmethod
-    def prepare_process_groups(cls, device: torch.device) -> None:
+    def prepare_process_groups(cls, device: "torch.device") -> None:
         """FairScale's FSDP makes two process groups of all ranks at its first wrap (``process_group`` and
         the overlapping ``reduce_scatter`` group; fairscale/internal/parallel.py ``get_process_group_cached``)
         and caches them for the life of the process, their NCCL communicators outside torch's caching
         allocator. Made here, with a collective on each (NCCL creates a communicator at its group's first
         collective), every run of a worker group has the same free memory, before and after FairScale's."""
+        import torch
         import torch.distributed as dist
         from fairscale.internal.parallel import ProcessGroupName, get_process_group_cached
 
@@ -221,6 +236,8 @@ class FairScaleFSDP(Strategy):
         # Under autocast, each wrapper drops autocast's cache of down-cast weights when its forward ends;
         # else the cache keeps a half copy of every gathered fp32 weight (FairScale's docstring, :264-269).
         # pycls sets it with mixed precision too (trainer.py setup_model).
+        import torch
+
         kwargs = dict(reshard_after_forward=self.cfg.parallel.reshard_after_forward, compute_device=self.device,
                       clear_autocast_cache=self.precision.uses_autocast)
         if mode == "mixed":
@@ -234,6 +251,7 @@ class FairScaleFSDP(Strategy):
         # No CUDA check here: config validation refuses fairscale_fsdp without GPUs. Wrapping alone works on
         # CPU (tests build wrappers there); FairScale's forward and clip need CUDA streams.
         from fairscale.nn import FullyShardedDataParallel as Wrapper
+        from torch import nn
 
         if self.precision.layer_norm_fp32:
             ln_kwargs = dict(mixed_precision=False, flatten_parameters=False, reshard_after_forward=False,
@@ -252,6 +270,8 @@ class FairScaleFSDP(Strategy):
         :class:`MaskedWeightDecay` applies."""
         from fairscale.nn import FullyShardedDataParallel as Wrapper
         from fairscale.nn.misc.flatten_params_wrapper import FlatParameter
+
+        from rayvit.training.optim import build_optimizer, owned_parameters
 
         owners = {id(p): w for w in model.modules() if isinstance(w, Wrapper) for p in w.params}
         decay, no_decay, flat, masks = [], [], [], []
@@ -282,10 +302,14 @@ class FairScaleFSDP(Strategy):
     def save(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         # With the shard's metadata, so that rayvit.worker.checkpoint.load_checkpoint can consolidate the
         # shards into one model offline (FairScale's consolidate_shard_weights).
+        import torch
+
         torch.save({"model": model.local_state_dict(), "optim": optimizer.state_dict(),
                     "metadata": model.local_metadata_dict()}, os.path.join(directory, f"rank{rank()}.pt"))
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import torch
+
         state = torch.load(os.path.join(directory, f"rank{rank()}.pt"), map_location=self.device)
         model.load_local_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])

@@ -20,17 +20,18 @@ weight bytes) through the busiest rank.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-from torch import nn
-
-from rayvit.config import Config
+from rayvit.strategies.base import Strategy, StrategyCosts, pure_reduce_refusal
 from rayvit.strategies.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
                                      partition_broadcasts, tensor_state)
 from rayvit.strategies.shapes import Tensor, optimizer_order
-from rayvit.training.optim import optimizer_spec, param_groups, weight_decay_plan
-from rayvit.strategies.base import Strategy, pure_reduce_refusal
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from rayvit.config import Config
 
 SHARDED_DDP_BUCKET = 2 ** 23   # FairScale ShardedDDP reduce_buffer_size default (elements)
 
@@ -57,7 +58,10 @@ def sharded_ddp_bucketed(tensors: list[Tensor], owner: dict[str, int], world: in
     return bucketed
 
 
-class FairScaleOSS(Strategy):
+class FairScaleOSSCosts(StrategyCosts):
+    """FairScale OSS's cost half: optimizer state partitioned by owner, gradients reduced to their owner,
+    parameters broadcast back from it."""
+
     name = "fairscale_oss"
     colour = "#ff7f0e"
 
@@ -97,9 +101,16 @@ class FairScaleOSS(Strategy):
     def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
         return busiest_owner(layout, oss_owner(list(layout.tensors), layout.n))
 
-    def parallelize(self, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+
+
+class FairScaleOSS(FairScaleOSSCosts, Strategy):
+    """FairScale OSS's runtime half: its sharded optimizer and ShardedDataParallel around the model."""
+
+    def parallelize(self, model: "nn.Module") -> tuple["nn.Module", "torch.optim.Optimizer"]:
         from fairscale.nn.data_parallel import ShardedDataParallel
         from fairscale.optim.oss import OSS
+
+        from rayvit.training.optim import optimizer_spec, param_groups, weight_decay_plan
 
         # ShardedDDP needs the optimizer to know which rank owns which gradient: optimizer first.
         groups = param_groups(model, self.cfg.optim.weight_decay, weight_decay_plan(model))

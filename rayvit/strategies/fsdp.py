@@ -21,17 +21,18 @@ keep-the-root heuristic), one reduce-scatter after backward. Moves (N-1)/N x P x
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-
-from rayvit.config import Config
+from rayvit.strategies.base import Strategy, StrategyCosts, world_size
 from rayvit.strategies.costs import (Layout, Message, ShardGroup, StateBytes, chunk_local, sharded_messages,
                                      sharded_transient, tensor_state)
 from rayvit.strategies.shapes import ROOT_UNIT, fsdp_units
-from rayvit.training.checkpoint import SHARDED_DIR
-from rayvit.strategies.base import Strategy, world_size
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from rayvit.config import Config
 
 
 def groups(layout: Layout) -> list[ShardGroup]:
@@ -50,14 +51,15 @@ def groups(layout: Layout) -> list[ShardGroup]:
     return [g for g in out if g not in root_norm] + root_norm
 
 
-class FSDP(Strategy):
+class FSDPCosts(StrategyCosts):
+    """FSDP2's cost half: chunked shards, one all-gather per group before forward (and before backward when
+    it reshards), one reduce-scatter per group after backward."""
+
     name = "fsdp"
     owns_mixed_precision = True
     dtensor_params = True
     reshards = True
     colour = "#1f77b4"
-    # FSDP2 allocates its reduce-scatter input in the reduce dtype, at one rank too.
-    reduce_call = ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce_scatter_copy_in", 1)
 
     @classmethod
     def variants(cls, cfg: Config) -> list[Config]:
@@ -83,63 +85,10 @@ class FSDP(Strategy):
     def transient_bytes(cls, layout: Layout) -> int:
         return sharded_transient(layout)
 
-    @classmethod
-    def collective_path_s(cls, cfg: Config, device: torch.device, repeats: int = 25) -> Optional[float]:
-        """FSDP2's collective path at more than one rank: each group's gather copies its shards into one
-        buffer (``all_gather_copy_in``), gathers, and splits the result into per-parameter tensors
-        (``split_with_sizes_copy``), with per-parameter Python and dispatch work around each; at one rank it
-        only copies each parameter (``FSDPParamGroup.unshard``/``wait_for_unshard``'s world-size-1 branch).
 
-        Measured with the public ``unshard()``/``reshard()`` of every group of the sweep's model, barrier
-        aligned, on the world mesh and on a one-rank mesh at the same time, less a bare all-gather of the
-        group's bytes: the mean over groups. The reduce-scatter's path (``chunk_cat`` copy-in, per-parameter
-        views of the reduced shard) has no public entry point; it is taken to cost the same per message.
-        On a 2-core CPU host: ~0.45 ms per message (world path 0.6-0.9 ms, one-rank path 0.1 ms, bare
-        all-gather of 131 KB 0.16 ms), which the links and the 1-rank anchor do not show otherwise.
-        """
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import FSDPModule
-
-        from rayvit.models import build_model
-        from rayvit.projection.collectives import aligned_all_gather_s, aligned_s
-        from rayvit.training.precision import Precision
-
-        n = world_size()
-        if n <= 1:
-            return None
-        own_group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-        meshes = {"world": init_device_mesh(device.type, (n,)), "alone": DeviceMesh.from_group(own_group, device.type)}
-        try:
-            times: dict[str, list[float]] = {}
-            sizes: list[int] = []
-            for key, mesh in meshes.items():
-                torch.manual_seed(cfg.train.seed)
-                precision = Precision(cfg.precision, device, owns_mixed_precision=True)
-                strategy = cls(cfg, precision, device)
-                model = strategy.wrap(precision.prepare_model(build_model(cfg.model).to(device)), mesh=mesh)
-                size = cfg.model.image_size
-                images = torch.randn(1, 3, size, size, device=device)
-                with torch.no_grad(), precision.autocast():    # FSDP2 initialises lazily, on the first forward
-                    model(precision.cast_inputs(images))
-                units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-                times[key] = [aligned_s(lambda m=m: (m.unshard(), m.reshard()), device, repeats) for m in units]
-                if key == "world":
-                    gathered = strategy.mixed_precision_policy().param_dtype
-                    for m in units:
-                        nested = {id(p) for u in m.modules() if u is not m and isinstance(u, FSDPModule)
-                                  for p in u.parameters()}
-                        own = [p for p in m.parameters() if id(p) not in nested]
-                        sizes.append(sum(p.to_local().numel() * (gathered or p.dtype).itemsize for p in own) * n)
-                del model
-            # A shard's rows differ by rank (rank 0 holds the most); the gather moves the padded largest.
-            agreed = torch.tensor(sizes, dtype=torch.float64, device=device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            bare = [aligned_all_gather_s(int(size), device, repeats) for size in agreed.tolist()]
-            extra = [w - a - b for w, a, b in zip(times["world"], times["alone"], bare)]
-        finally:
-            dist.destroy_process_group(own_group)
-        return max(0.0, sum(extra) / len(extra)) if extra else None
+class FSDP(FSDPCosts, Strategy):
+    """FSDP2's runtime half: ``fully_shard`` per block (and per LayerNorm pair under fp32 LayerNorm), then
+    the root; torch.distributed.checkpoint for its sharded state."""
 
     def wrap(self, model: nn.Module, mesh=None) -> nn.Module:
         """Shard ``model`` over ``mesh`` (default: every rank of the process group)."""
@@ -181,12 +130,16 @@ class FSDP(Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from rayvit.training.checkpoint import SHARDED_DIR
+
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from rayvit.training.checkpoint import SHARDED_DIR
 
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from rayvit.config import ModelConfig
+if TYPE_CHECKING:
+    from rayvit.config import ModelConfig
 
 ROOT_UNIT = "root"
 

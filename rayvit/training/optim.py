@@ -7,13 +7,16 @@ optimizer (one kernel over lists of tensors), ``fused`` is a single fused kernel
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from rayvit.config import ConfigError, OptimConfig
+from rayvit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rayvit.config import OptimConfig
 
 
 def weight_decay_plan(model: nn.Module) -> dict[tuple[int, str], bool]:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from rayvit.config import PrecisionConfig
+if TYPE_CHECKING:
+    from rayvit.config import PrecisionConfig
 from rayvit.training.optim import local_shard
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

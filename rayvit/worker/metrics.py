@@ -8,27 +8,13 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 import rayvit
+from rayvit.stats import quantile, step_time_percentiles  # noqa: F401 - the figures of a run, in one place
 from rayvit.training import hardware
 
 
 def images_per_sec(batch_size: int, steps: int, seconds: float) -> float:
     """Images per second of one chip that ran ``steps`` steps of ``batch_size`` images in ``seconds``."""
     return batch_size * steps / seconds if steps and seconds > 0 else math.nan
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile with linear interpolation between order statistics (numpy's default)."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def step_time_percentiles(step_times: Sequence[float]) -> dict[str, float]:
-    return {"step_time_p50_s": quantile(step_times, 0.5), "step_time_p90_s": quantile(step_times, 0.9)}
 
 
 def rate_figures(train_flops_per_image: float, images_per_sec_per_chip: float, device: torch.device,

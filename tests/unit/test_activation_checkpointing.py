@@ -11,7 +11,7 @@ import pytest
 from rayvit.config import ConfigError, load_config, load_study
 from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.projection import memory
-from rayvit.projection.memcheck import saved_bytes_slope
+from rayvit.measure.memory import saved_bytes_slope
 
 from shared import two_ranks
 

@@ -12,7 +12,8 @@ import pytest
 from rayvit.models import vit_complexity
 from rayvit.config import load_config
 from rayvit.projection import comms, memory
-from rayvit.projection.collectives import fit_link, host_wait, wait_probe, worker_benchmark
+from rayvit.measure.links import fit_link, host_wait, worker_benchmark
+from rayvit.measure.timers import wait_probe
 from rayvit.projection.insweep import sweep_profile
 from rayvit.projection.performance import ComputeRate, compute_from_measured, project
 from rayvit.projection.profiles import Link, cpu_profile, get_profile, with_measured_links
@@ -271,7 +272,7 @@ def test_measured_waits_follow_each_strategys_gap_and_fsdps_path_is_added_per_me
 
 
 def test_the_sweeps_links_lines_show_transfer_latencies_the_wait_curve_and_fsdps_path():
-    from rayvit.projection.collectives import describe
+    from rayvit.projection.profiles import describe_links as describe
 
     kinds = {"all_reduce": {"latency_s": 1.1e-3, "transfer_latency_s": 0.2e-3, "busbw": 1.8e9}}
     links = {"backend": "gloo", "world_size": 2, "nodes": 1, "shared_host_slowdown": 1.03, "memory_bw": 17e9,
@@ -420,7 +421,7 @@ def _links_with_waits(rank):
 def _links_with_curves_and_paths(rank):
     import torch
 
-    from rayvit.projection.collectives import wait_curve
+    from rayvit.measure.timers import wait_curve
 
     # One thread per rank, as a sweep's workers have (cpus_per_worker): two ranks of two OpenMP threads on
     # two cores spin on each other, and the 10-ms segments' matmuls then took up to 50 s.
@@ -429,10 +430,10 @@ def _links_with_curves_and_paths(rank):
     cfgs = [load_config(DEFAULT, [f"parallel.strategy={s}"]).to_dict() for s in ("ddp", "fsdp")]
     links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "strategy_configs": cfgs,
                               "host_waits": [[[2e-3, 1e-3], [10e-3, 2e-3]], [[2e-3, 3e-3], [10e-3, 4e-3]]]})
-    from rayvit.strategies.fsdp import FSDP
+    from rayvit.measure.paths import PATH_PROBES
 
     # bf16 gathers from fp32 shards, with the LayerNorm groups of their own that `mixed` adds.
-    mixed = FSDP.collective_path_s(load_config(DEFAULT, ["parallel.strategy=fsdp", "precision.mode=mixed",
+    mixed = PATH_PROBES["fsdp"](load_config(DEFAULT, ["parallel.strategy=fsdp", "precision.mode=mixed",
                                                          "precision.dtype=bf16"]), torch.device("cpu"))
     return curve, links, mixed
 
@@ -513,7 +514,7 @@ def test_cli_help_explains_projection():
 def test_activation_model_against_what_autograd_saves(mode):
     import torch
 
-    from rayvit.projection.memcheck import saved_bytes_per_image
+    from rayvit.measure.memory import saved_bytes_per_image
 
     batch = 4
     cfg = load_config(DEFAULT, [f"precision.mode={mode}", "model.hidden_dim=128", "model.mlp_dim=512"])

@@ -89,7 +89,7 @@ def test_math_attention_keeps_the_matrix_the_model_says(tmp_path):
     import torch
 
     from rayvit.projection import memory
-    from rayvit.projection.memcheck import saved_bytes_per_image
+    from rayvit.measure.memory import saved_bytes_per_image
 
     for mode in ("fp32", "pure"):
         cfg = load_config(DEFAULT, ["model.attention=math", f"precision.mode={mode}"])
@@ -192,7 +192,8 @@ def test_fsdp2_shards_at_two_gloo_ranks_are_what_the_projection_counts(tmp_path)
 def test_the_gpu_links_benchmark_times_small_messages_too():
     """An fp32 LayerNorm group is ~20 KB: the GPU sizes include 16-64 KiB, so such messages take their
     latency from a measurement, not from an extrapolation of megabyte messages."""
-    from rayvit.projection.collectives import GPU_SIZES, fit_link
+    from rayvit.measure.links import fit_link
+    from rayvit.measure.timers import GPU_SIZES
 
     assert min(GPU_SIZES) <= 64 * 2 ** 10 and any(16 * 2 ** 10 <= s <= 64 * 2 ** 10 for s in GPU_SIZES)
     latency, busbw = 12e-6, 200e9

@@ -1,0 +1,36 @@
+"""The registry: each strategy's name (``parallel.strategy``) to its class, and the baseline.
+
+A registered class is a strategy's runtime half, which subclasses its cost half (:mod:`rayvit.strategies.base`),
+so one entry answers both the worker (wrap, step, save) and config validation and the projection (what it
+refuses, what a step costs). This module imports none of them; :mod:`rayvit.strategies` registers rayvit's
+own, and a plugin registers its class with :func:`register` (or a line ``STRATEGIES[name] = cls``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rayvit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rayvit.strategies.base import Strategy
+
+# The strategy every figure is compared to (the study's baseline): DDP.
+BASELINE = "ddp"
+
+STRATEGIES: dict[str, type["Strategy"]] = {}
+
+
+def register(cls: type["Strategy"]) -> type["Strategy"]:
+    """Register ``cls`` under its ``name``; returns it (usable as a class decorator)."""
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def strategy_class(name: str) -> type["Strategy"]:
+    """The strategy registered as ``name`` (``parallel.strategy``)."""
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ConfigError(f"parallel.strategy={name!r} is not a registered strategy; choose one of: "
+                          f"{', '.join(STRATEGIES)}") from None
