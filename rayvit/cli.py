@@ -207,7 +207,7 @@ def _guarded(run: Callable[[], int], interrupted: str) -> int:
     from rayvit.launch.connect import ConnectError
     from rayvit.launch.capacity import ClusterTooSmall
     from rayvit.record.tracking import TrackingError
-    from rayvit.studies.judge import BaselineFailed
+    from rayvit.studies.search import BaselineFailed
 
     from rayvit.launch.console import quiet_loggers
 
@@ -272,7 +272,7 @@ def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
         study = load_study(args.config, list(args.overrides) + ([f"search.name={args.name}"] if args.name else []))
         plan = plan_search(study)     # bad input fails here, before Ray or MLflow start
         if args.dry_run:
-            from rayvit.studies.dryrun import describe_search
+            from rayvit.studies.search.dryrun import describe_search
 
             print(f"config: {args.config}")
             print(describe_search(study, plan))

@@ -15,6 +15,13 @@ bootstrap draws the same rounds for both sides. A ratio of points from different
 efficiency across worker counts) resamples each side on its own.
 
 The resampling is seeded, so the same measurements always give the same interval.
+
+**Beyond noise**, one rule for every comparison rayvit makes (a sweep's ``speedup_vs_ddp`` and the
+ladder's verdicts, a search's screen against its baseline, a trial against the baseline): two figures
+differ when the 95% interval of their *ratio* leaves 1.0 out (:meth:`Estimate.verdict`). The ratio is
+paired when both were measured in the same rounds, else each side is resampled alone
+(:func:`compare`); a measurement that knows it sees less than its interval says (the screen's few steps
+in one process) widens it first (:meth:`Estimate.widened`), it does not change the rule.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ RATIO_KEYS = INTERVAL_KEYS[:5]
 # A block: (timed steps, their seconds).
 Block = tuple[int, float]
 
+# What :meth:`Estimate.verdict` says of a figure against its reference.
+ABOVE, BELOW, WITHIN_NOISE = "above", "below", "within noise"
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -55,10 +65,17 @@ class Estimate:
         return self.lo <= value <= self.hi
 
     def verdict(self, reference: float = 1.0) -> str:
-        """``above``, ``below`` or ``within noise`` of ``reference`` (e.g. a ratio against 1.0)."""
+        """``above``, ``below`` or ``within noise`` of ``reference``: the beyond-noise rule (a ratio
+        against 1.0 differs only when its interval leaves 1.0 out; an interval touching it is noise)."""
         if self.contains(reference):
-            return "within noise"
-        return "above" if self.lo > reference else "below"
+            return WITHIN_NOISE
+        return ABOVE if self.lo > reference else BELOW
+
+    def widened(self, floor: float) -> "Estimate":
+        """This estimate with its interval at least ``floor`` x its median either side: for a measurement
+        that sees less than its own spread shows (a few steps in one process)."""
+        return Estimate(self.median, min(self.lo, self.median * (1 - floor)),
+                        max(self.hi, self.median * (1 + floor)), self.rounds)
 
     def figures(self, key: str) -> dict[str, float]:
         return {key: self.median, f"{key}_lo": self.lo, f"{key}_hi": self.hi}

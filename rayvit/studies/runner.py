@@ -14,59 +14,21 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from rayvit.config import Study
 from rayvit.record import tracking
 from rayvit.formats import clock, fmt, interval
 from rayvit.results import RunResult
-from rayvit.studies.judge import Verdict, last_line
+from rayvit.studies.outcome import Outcome, Report, is_divergence, last_line
 from rayvit.studies.plan import Point
 
+# Outcome and Report are imported from here by the sweep, the search and callers: they live in
+# rayvit.studies.outcome, beside what a search trial's verdict is.
+__all__ = ["Outcome", "Out", "Progress", "Report", "StudyRun", "attach_ray", "print_failures", "print_where",
+           "with_interval"]
+
 Out = Callable[[str], None]
-
-
-@dataclass
-class Outcome:
-    """What became of one point: ``done`` (ran now), ``reused`` (finished earlier), ``failed``,
-    ``killed``; search trials also ``diverged`` or ``stopped`` (early, by ASHA)."""
-
-    point: Point
-    status: str
-    result: Optional[RunResult] = None
-    error: Optional[str] = None
-    run_id: Optional[str] = None
-    seconds: float = 0.0
-    verdict: Optional[Verdict] = None     # searches: feasible or not, and why
-
-    @property
-    def ok(self) -> bool:
-        return self.result is not None
-
-
-@dataclass
-class Report:
-    """Where a study went and what it found."""
-
-    name: str
-    kind: str                             # scaling | ladder | search
-    experiment: str
-    tracking_uri: str
-    parent_run_id: str
-    outcomes: list[Outcome]
-    rows: list[dict[str, Any]]
-    artifacts: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def failed(self) -> list[Outcome]:
-        """Points that ended in an error (a diverged or stopped search trial is a result, not an error)."""
-        return [o for o in self.outcomes if o.status in ("failed", "killed")]
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.failed else 0
 
 
 class Progress:
@@ -117,11 +79,15 @@ class Progress:
             sys.stdout.flush()
             self._live_shown = False
 
+    def show_next_step(self) -> None:
+        """Show the next step line whatever the log interval (the first step of what begins)."""
+        self._printed = 0.0
+
     def tag(self, point: Point) -> str:
         return f"[{point.index if point.index else point.key}/{self.total}]"
 
     def begin(self, point: Point, left: int, what: Optional[str] = None) -> None:
-        self._printed = 0.0                        # the first step of what begins is always shown
+        self.show_next_step()                      # the first step of what begins is always shown
         # Mean of the points actually trained (reused points cost nothing) times the points left.
         estimate = sum(self.durations) / len(self.durations) * left if self.durations else None
         eta = "estimate after the first point" if estimate is None else f"about {clock(estimate)} left"
@@ -373,8 +339,6 @@ class StudyRun:
         return outcome
 
     def _failed(self, point: Point, run_id: str, error: str, start: float, exc: BaseException) -> Outcome:
-        from rayvit.studies.judge import is_divergence
-
         status = "diverged" if self.kind == "search" and is_divergence(exc) else "failed"
         self.tracker.fail_point(run_id, error)
         return Outcome(point, status, error=error, run_id=run_id, seconds=time.monotonic() - start)

@@ -15,17 +15,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from rayvit import process_state, stats
-from rayvit.config import BASELINE, Study
+from rayvit import process_state
+from rayvit.config import Study
 from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, number, write_parquet
-from rayvit.results import METRIC_KEYS
+from rayvit.studies.derived import DERIVED_KEYS, add_derived, rows_of, verdict
+from rayvit.studies.outcome import Outcome, Report
 from rayvit.studies.plan import Point, plan, worker_groups
-from rayvit.studies.runner import (Outcome, Progress, Report, StudyRun, attach_ray, print_failures, print_where,
-                                   with_interval)
+from rayvit.studies.runner import Progress, StudyRun, attach_ray, print_failures, print_where, with_interval
 
-# Per point figures derived across points (absent where their reference point is missing).
-DERIVED_KEYS = ("speedup_vs_ddp", "scaling_efficiency", "relative_throughput")
+# The sweep's rows and derived figures are rayvit.studies.derived's; callers import them from here too.
+__all__ = ["CURVE_KEYS", "DERIVED_KEYS", "add_derived", "default_sweep_name", "print_summary", "rows_of",
+           "run_sweep", "sweep_table", "verdict"]
+
 
 # Curves logged on the parent run, ``<key>/<series>`` at step = number of chips.
 CURVE_KEYS = ("tflops_per_chip", "images_per_sec_per_chip", "mfu", "speedup_vs_ddp", "scaling_efficiency")
@@ -46,16 +48,33 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
     the sweep KILLED, so a rerun of the same name picks up from there. ``ray_log``: see
     :func:`~rayvit.studies.runner.attach_ray`.
     """
+    name = study.sweep.name or default_sweep_name(study)
+    study = study.replace({"sweep.name": name})
+    points = plan(study)
+    experiment = experiment or study.tracking.experiment or f"rayvit-{study.sweep.mode}"
+    run, todo, growth = _prepare(study, points, experiment, address, out, ray_log)
+    _announce(run, study, points, todo, growth, out)
+    done: dict[str, Outcome] = {}
+    links = _Links(study, todo, out)
+    try:
+        _measure(run, study, points, done, links, out)
+    except KeyboardInterrupt:
+        missing = [p.key for p in points if p.key not in done]
+        run.interrupted(missing[0] if missing else "end")
+        raise
+    return _finish(run, study, points, [done[p.key] for p in points], links.measured, out)
+
+
+def _prepare(study: Study, points: list[Point], experiment: str, address: Optional[str],
+             out: Callable[[str], None], ray_log: Optional[str]) -> tuple[StudyRun, list[Point], Optional[str]]:
+    """Every check before a point runs, the study's record and Ray (only when a point still has to run);
+    returns the record, the points to run and what the cluster will grow by (a line, or None)."""
     from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
     from rayvit.launch.storage import check_storage
     from rayvit.launch.trainer import check_cluster_fits
-    from rayvit.launch.trainer import fit_group as fit_group_of_workers
 
-    name = study.sweep.name or default_sweep_name(study)
-    study = study.replace({"sweep.name": name})
-    mode, points = study.sweep.mode, plan(study)
-    experiment = experiment or study.tracking.experiment or f"rayvit-{mode}"
+    name, mode = study.sweep.name, study.sweep.mode
     # Fail fast, cheapest first and before anything is recorded: the cluster's address (a probe, no Ray
     # yet), the tracking store, then the cluster itself.
     check_cluster(address)
@@ -81,53 +100,59 @@ def run_sweep(study: Study, *, experiment: Optional[str] = None, address: Option
         # whole plan; points the autoscaler can grow into wait for it just before they run.
         verdicts = check_cluster_fits([p.cfg for p in todo])
         check_storage([p.cfg for p in todo])
+    return run, todo, capacity.summary(verdicts)
 
+
+def _announce(run: StudyRun, study: Study, points: list[Point], todo: list[Point], growth: Optional[str],
+              out: Callable[[str], None]) -> None:
+    """The parent run started, and the sweep's first lines: what runs, where it is recorded, how to resume."""
+    name = study.sweep.name
     parent = run.start(_sweep_tags(study, points))
-    out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {experiment!r}, "
+    out(f"sweep {name!r}: {len(points)} points ({len(todo)} to run), experiment {run.experiment!r}, "
         f"parent run {parent}")
     out(f"tracking: {run.uri}" + ("  (resuming: finished points are reused)" if run.resumed else ""))
     out(f"resume with: --name {name}")
     abandoned = [p.key for p in points if p.key in run.abandoned]
     if abandoned:
         out(f"{', '.join(abandoned)}: left running by a driver that stopped; measuring again")
-    growth = capacity.summary(verdicts)
     if growth:
         out(growth)
 
+
+def _measure(run: StudyRun, study: Study, points: list[Point], done: dict[str, Outcome], links: "_Links",
+             out: Callable[[str], None]) -> None:
+    """Each worker group in plan order: reused points report first, then the group measures the rest
+    together; ``done`` fills as they finish, curves and projections after each group."""
+    from rayvit.launch import capacity
+    from rayvit.launch.trainer import fit_group as fit_group_of_workers
+
+    mode = study.sweep.mode
     progress = Progress(len(points), out)
-    done: dict[str, Outcome] = {}
-    links = _Links(study, todo, out)
     fit_group = capacity.waiting(fit_group_of_workers, out)
-    try:
-        for group in worker_groups(points, study.sweep.share_workers):
-            # Plan order: reused points report first, then the group measures the rest together.
-            todo_here = []
-            for point in group:
-                outcome = run.reusable(point)
-                if outcome is None:
-                    todo_here.append(point)
-                else:
-                    done[point.key] = outcome
-                    progress.end(outcome)
-            if todo_here:
-                for point in todo_here:
-                    if run.changed_since(point):
-                        out(f"{progress.tag(point)} {point.key}: its settings changed since run "
-                            f"{run.changed_since(point)}; running it again")
-                progress.begin_group(todo_here, study.sweep.rounds, len(points) - len(done))
-                run.links = None
-                for outcome in run.run_group(todo_here, study.sweep.rounds, links.fit_for(todo_here, fit_group),
-                                             lambda p: _point_tags(p, mode), progress):
-                    done[outcome.point.key] = outcome
-            outcomes = [done[p.key] for p in points if p.key in done]
-            links.after(run, outcomes)
-            _log_curves(run, rows_of(outcomes, mode), mode)
-        links.after(run, outcomes, last=True)
-    except KeyboardInterrupt:
-        missing = [p.key for p in points if p.key not in done]
-        run.interrupted(missing[0] if missing else "end")
-        raise
-    return _finish(run, study, points, [done[p.key] for p in points], links.measured, out)
+    outcomes: list[Outcome] = []
+    for group in worker_groups(points, study.sweep.share_workers):
+        todo_here = []
+        for point in group:
+            outcome = run.reusable(point)
+            if outcome is None:
+                todo_here.append(point)
+            else:
+                done[point.key] = outcome
+                progress.end(outcome)
+        if todo_here:
+            for point in todo_here:
+                if run.changed_since(point):
+                    out(f"{progress.tag(point)} {point.key}: its settings changed since run "
+                        f"{run.changed_since(point)}; running it again")
+            progress.begin_group(todo_here, study.sweep.rounds, len(points) - len(done))
+            run.links = None
+            for outcome in run.run_group(todo_here, study.sweep.rounds, links.fit_for(todo_here, fit_group),
+                                         lambda p: _point_tags(p, mode), progress):
+                done[outcome.point.key] = outcome
+        outcomes = [done[p.key] for p in points if p.key in done]
+        links.after(run, outcomes)
+        _log_curves(run, rows_of(outcomes, mode), mode)
+    links.after(run, outcomes, last=True)
 
 
 class _Links:
@@ -218,101 +243,7 @@ def _point_tags(point: Point, mode: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rows, derived figures, tables
-
-
-def rows_of(outcomes: list[Outcome], mode: str) -> list[dict[str, Any]]:
-    """One flat row per point: key, status, conditions, metrics and the derived figures.
-
-    ``round_step_times`` holds each round's timed step times (the slowest rank's), from which the
-    derived ratios get their intervals.
-    """
-    rows = []
-    for o in outcomes:
-        row: dict[str, Any] = {"point": o.point.key, "series": o.point.series, "world_size": o.point.world_size,
-                               "status": o.status, "run_id": o.run_id, "error": o.error,
-                               "strategy": o.point.cfg.parallel.strategy,
-                               "seconds": round(o.seconds, 2) if o.status == "done" else None,
-                               "config_hash": o.point.config_hash}
-        if o.result is not None:
-            row.update({k: v for k, v in o.result.row().items() if k not in ("series", "point")})
-            row["round_step_times"] = [r["step_times"] for r in o.result.rounds] or None
-        for key in METRIC_KEYS:
-            row.setdefault(key, None)
-        rows.append(row)
-    add_derived(rows, mode)
-    return rows
-
-
-def _ratio(a: Any, b: Any) -> Optional[float]:
-    a, b = number(a), number(b)
-    return a / b if a is not None and b else None
-
-
-def _derive(row: dict[str, Any], ref: Optional[dict[str, Any]], key: str, derived: str, paired: bool) -> None:
-    """``row[derived]`` = row's ``key`` / ref's, with ``_lo``/``_hi`` from their rounds where both have them.
-
-    Paired: the points ran in the same rounds on the same workers, so the ratio is taken within each
-    round (:func:`rayvit.stats.paired_ratio`); else each side is resampled alone.
-    """
-    if ref is None:
-        return
-    if ref is row:
-        row.update({derived: 1.0, f"{derived}_lo": 1.0, f"{derived}_hi": 1.0})
-        return
-    row[derived] = _ratio(row.get(key), ref.get(key))
-    a, b = (stats.rounds_blocks({"step_times": t} for t in (r.get("round_step_times") or [])) for r in (row, ref))
-    try:
-        fa, fb = stats.functions_of(row, row)[key], stats.functions_of(ref, ref)[key]
-    except (KeyError, TypeError, ValueError):
-        return
-    est = (stats.paired_ratio if paired else stats.unpaired_ratio)(a, b, fa, fb)
-    if est is not None:
-        row.update(est.figures(derived))
-
-
-def verdict(row: dict[str, Any], derived: str, reference: str) -> Optional[str]:
-    """``faster than DDP``, ``slower than DDP`` or ``within noise of DDP``: whether the ratio's interval
-    holds 1.0 (a ratio without an interval gets no verdict)."""
-    lo, hi = number(row.get(f"{derived}_lo")), number(row.get(f"{derived}_hi"))
-    if lo is None or hi is None:
-        return None
-    if (lo, hi) == (1.0, 1.0):
-        return reference                          # the reference itself
-    side = stats.Estimate(row[derived], lo, hi, 0).verdict(1.0)
-    return {"within noise": f"within noise of {reference}", "above": f"faster than {reference}",
-            "below": f"slower than {reference}"}[side]
-
-
-def add_derived(rows: list[dict[str, Any]], mode: str) -> None:
-    """Fill ``speedup_vs_ddp``, ``scaling_efficiency`` (scaling) or ``relative_throughput`` (ladder),
-    each with ``_lo``/``_hi`` where the rows carry their rounds, and the ratio's verdict.
-
-    speedup_vs_ddp = per-chip TFLOPS / DDP's at the same worker count, paired round by round (the two
-    ran on the same workers, adjacent in time); scaling_efficiency = per-chip images/s / the same
-    strategy's at the sweep's smallest worker count (missing if that point failed: a larger count is
-    never silently used as the reference; unpaired); relative_throughput = per-chip TFLOPS / the
-    baseline rung's, paired.
-    """
-    for row in rows:
-        for key in DERIVED_KEYS:
-            row[key] = None
-            row.pop(f"{key}_lo", None)
-            row.pop(f"{key}_hi", None)
-        row["verdict"] = None
-    if mode == "ladder":
-        base = next((r for r in rows if r["series"] == "baseline"), None)
-        for row in rows:
-            _derive(row, base, "tflops_per_chip", "relative_throughput", paired=True)
-            row["verdict"] = verdict(row, "relative_throughput", "the baseline")
-        return
-    ddp = {r["world_size"]: r for r in rows if r["series"] == BASELINE}
-    smallest = min((r["world_size"] for r in rows), default=None)
-    first = {r["series"]: r for r in rows if r["world_size"] == smallest}
-    for row in rows:
-        _derive(row, ddp.get(row["world_size"]), "tflops_per_chip", "speedup_vs_ddp", paired=True)
-        row["verdict"] = verdict(row, "speedup_vs_ddp", "DDP")
-        _derive(row, first.get(row["series"]), "images_per_sec_per_chip", "scaling_efficiency", paired=False)
+# Tables
 
 
 def _interval(key: str, spec: str, suffix: str = "") -> Callable[[dict], str]:

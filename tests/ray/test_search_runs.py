@@ -23,10 +23,10 @@ import ray
 from mlflow import MlflowClient
 
 from rayvit.config import load_config, load_study
-from rayvit.studies.judge import (is_divergence, judge)
-from rayvit.studies import screen
-from rayvit.studies.search import run_search
-from rayvit.studies.trials import ERROR_KEY, STATUS_KEY, trial_trainable
+from rayvit.studies.outcome import is_divergence
+from rayvit.studies.search import run_search, screen
+from rayvit.studies.search.judge import judge
+from rayvit.studies.search.trials import ERROR_KEY, STATUS_KEY, trial_trainable
 from rayvit.trainer import TrainingError, fit
 
 from shared import REPO, QUICK, SEARCH_CPU, TINY_MODEL, ProcessSnapshot, cli_env

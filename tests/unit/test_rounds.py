@@ -18,9 +18,10 @@ import pytest
 from rayvit import stats
 from rayvit.config import load_study
 from rayvit.results import RunResult
+from rayvit.studies.derived import add_derived, rows_of
+from rayvit.studies.outcome import Outcome
 from rayvit.studies.plan import plan, worker_groups
-from rayvit.studies.sweep import add_derived, rows_of, sweep_table
-from rayvit.studies.runner import Outcome
+from rayvit.studies.sweep import sweep_table
 from rayvit.worker.rounds import measure_rounds, round_order
 
 from shared import CONFIGS, config, make_result
@@ -91,6 +92,22 @@ def test_an_interval_holding_the_reference_is_noise():
     est = stats.Estimate(1.03, 0.97, 1.10, 3)
     assert est.verdict(1.0) == "within noise" and est.text(".2f", "x") == "1.03x (0.97-1.10)"
     assert stats.Estimate(0.67, 0.61, 0.72, 3).verdict(1.0) == "below"
+    # The rule's edge: an interval that touches the reference holds it.
+    assert stats.Estimate(1.05, 1.0, 1.10, 3).verdict(1.0) == stats.WITHIN_NOISE
+    assert stats.Estimate(0.95, 0.90, 1.0, 3).verdict(1.0) == stats.WITHIN_NOISE
+
+
+def test_a_measurement_that_sees_less_widens_its_interval_and_keeps_the_rule():
+    """The screen's few steps in one process are never taken as surer than +-5%: the interval widens to
+    that floor (never narrows), and the same beyond-noise rule then decides."""
+    tight = stats.Estimate(1.03, 1.02, 1.04, 3)
+    assert tight.verdict() == stats.ABOVE
+    wide = tight.widened(0.05)
+    assert (wide.median, wide.rounds) == (1.03, 3)
+    assert wide.lo == pytest.approx(1.03 * 0.95) and wide.hi == pytest.approx(1.03 * 1.05)
+    assert wide.verdict() == stats.WITHIN_NOISE
+    already = stats.Estimate(1.5, 1.1, 1.9, 3)
+    assert already.widened(0.05) == already              # wider than the floor: unchanged
 
 
 def _result(strategy, seconds_per_round, world_size=2, steps=10):

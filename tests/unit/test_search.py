@@ -16,11 +16,12 @@ import sys
 import pytest
 
 
+from rayvit import stats
 from rayvit.config import ConfigError, load_study
 from rayvit.results import RunResult
-from rayvit.studies.judge import (Verdict, accuracy_excess, best_outcome, judge, time_to_accuracy)
+from rayvit.studies.outcome import Outcome, Verdict
 from rayvit.studies.plan import Point, plan_search
-from rayvit.studies.runner import Outcome
+from rayvit.studies.search.judge import accuracy_excess, best_outcome, judge, time_to_accuracy
 
 from shared import CONFIGS, REPO, QUICK, SEARCH_CPU
 
@@ -136,7 +137,8 @@ def test_time_to_accuracy_and_best_feasible():
 def test_optuna_sampler_gets_the_accuracy_constraint_not_a_folded_objective():
     from ray import tune
 
-    from rayvit.studies.trials import EXCESS_KEY, optuna_searcher
+    from rayvit.studies.search.trials import EXCESS_KEY
+    from rayvit.studies.search.tuner import optuna_searcher
 
     cfg = search_cfg(**{"search.algorithm": "optuna"})
     searcher = optuna_searcher(cfg.search, cfg.run.train.seed, "max")
@@ -154,7 +156,7 @@ def test_optuna_sampler_gets_the_accuracy_constraint_not_a_folded_objective():
 
 def screened(label, setting, step_s, rounds=2, steps=6, jitter=0.02, study=None):
     """A setting's screen with chosen step times: ``steps`` per round, alternating +-jitter around ``step_s``."""
-    from rayvit.studies.screen import Screened
+    from rayvit.studies.search.screen import Screened
 
     study = study or load_study(SEARCH_CPU)
     cfg = study.run.replace(setting)
@@ -163,7 +165,7 @@ def screened(label, setting, step_s, rounds=2, steps=6, jitter=0.02, study=None)
 
 
 def test_screen_orders_by_screened_objective_and_prunes_what_cannot_beat_the_baseline():
-    from rayvit.studies.screen import screen
+    from rayvit.studies.search.screen import screen
 
     base = screened("baseline", {"precision.mode": "fp32", "optim.impl": "loop"}, 0.070)
     cands = [screened("t01", {"precision.mode": "fp32", "optim.impl": "fused"}, 0.058),       # 1.21x
@@ -189,7 +191,7 @@ def test_screen_orders_by_screened_objective_and_prunes_what_cannot_beat_the_bas
 
 
 def test_screen_interval_is_never_narrower_than_its_noise_floor_and_failed_screens_are_trained():
-    from rayvit.studies.screen import NOISE_FLOOR, screen
+    from rayvit.studies.search.screen import NOISE_FLOOR, screen
 
     base = screened("baseline", {"precision.mode": "fp32"}, 0.070, jitter=0.0)
     same = screened("t01", {"optim.impl": "fused"}, 0.0665, jitter=0.0)        # 1.05x, no jitter at all
@@ -211,15 +213,17 @@ def test_screen_interval_is_never_narrower_than_its_noise_floor_and_failed_scree
 def test_screened_order_trains_best_first_and_stops_once_a_feasible_trial_beats_every_remaining_screen():
     from ray.tune.search import Searcher
 
-    from rayvit.studies.trials import FEASIBLE_KEY, LIVE, TRIAL_KEY, Entry, ScreenedOrder
+    from rayvit.studies.search.session import SearchSession, registered, session_named
+    from rayvit.studies.search.trials import FEASIBLE_KEY, TRIAL_KEY
+    from rayvit.studies.search.tuner import Entry, ScreenedOrder
 
     lines = []
-    LIVE["order-test"] = {"out": lines.append, "skipped": {}, "plan": plan_search(load_study(SEARCH_CPU))}
-    try:
-        entries = [Entry("t04", {"model.image_size": 40}, 1.37, 1.45, "1.37x (1.25-1.45)"),
-                   Entry("t01", {"optim.impl": "fused"}, 1.21, 1.30, "1.21x (1.10-1.30)"),
-                   Entry("t07", {"precision.mode": "pure"}, 1.10, 1.20, "1.10x (0.98-1.20)"),
-                   Entry("t06", {"optim.impl": "foreach"}, 1.08, 1.14, "1.08x (1.02-1.14)"),
+    session = SearchSession("order-test", plan_search(load_study(SEARCH_CPU)), lines.append)
+    with registered(session):
+        entries = [Entry("t04", {"model.image_size": 40}, stats.Estimate(1.37, 1.25, 1.45, 3)),
+                   Entry("t01", {"optim.impl": "fused"}, stats.Estimate(1.21, 1.10, 1.30, 3)),
+                   Entry("t07", {"precision.mode": "pure"}, stats.Estimate(1.10, 0.98, 1.20, 3)),
+                   Entry("t06", {"optim.impl": "foreach"}, stats.Estimate(1.08, 1.02, 1.14, 3)),
                    Entry("t09", {"precision.mode": "amp"}, None)]        # not screened: always trained
         order = ScreenedOrder("order-test", entries, baseline_objective=0.040, mode="max", prune=True)
         assert order.suggest("a") == {"model.image_size": 40, TRIAL_KEY: "t04"}
@@ -231,18 +235,31 @@ def test_screened_order_trains_best_first_and_stops_once_a_feasible_trial_beats_
         order.on_trial_complete("b", {FEASIBLE_KEY: 0.046})
         assert order.suggest("c")[TRIAL_KEY] == "t09"
         assert order.suggest("d") == Searcher.FINISHED
-        skipped = LIVE["order-test"]["skipped"]
+        skipped = session.skipped
         assert list(skipped) == ["t07", "t06"]
         assert "t01's measured 1.15x already exceeds it" in skipped["t07"]
         assert "cannot beat t01's measured 1.15x even at the top of the screen's interval" in skipped["t06"]
+        assert skipped["t07"].startswith("screened 1.10x (0.98-1.20) the baseline")
         assert any(line.startswith("[t06/") and "not trained" in line for line in lines)
         # A resumed search counts its finished trials from the start; with pruning off nothing is left out.
         resumed = ScreenedOrder("order-test", entries[1:], 0.040, "max", prune=True, finished={"t04": 1.15})
         assert resumed.suggest("x")[TRIAL_KEY] == "t01" and resumed.suggest("y")[TRIAL_KEY] == "t09"
         unpruned = ScreenedOrder("order-test", entries, 0.040, "max", prune=False, finished={"t04": 9.0})
         assert [unpruned.suggest(i)[TRIAL_KEY] for i in "vwxyz"] == ["t04", "t01", "t07", "t06", "t09"]
-    finally:
-        LIVE.pop("order-test", None)
+    assert session_named("order-test") is None        # the search's state is gone with the search
+
+
+def test_the_screen_and_the_trials_stop_by_one_rule():
+    """The stop rule against the baseline (before the trials) and against the best trial (during them)
+    is one function: the same screened ratio against the same reference gets the same decision."""
+    from rayvit.studies.search.screen import stop_reason
+
+    close = stats.Estimate(0.98, 0.93, 1.03, 3)
+    assert stop_reason(close, 1.0) == "screened 0.98x (0.93-1.03) the baseline: not above it"
+    assert stop_reason(close, 0.97, "t01") is None and stop_reason(close, 0.99, "t01").endswith("already exceeds it")
+    assert stop_reason(stats.Estimate(1.02, 0.97, 1.07, 3), 1.0) is None
+    assert "cannot beat it" in stop_reason(stats.Estimate(0.95, 0.90, 1.0, 3), 1.0)
+    assert stop_reason(stats.Estimate(1.15, 1.1, 1.2, 3), 1.15, "t01").endswith("already equals it")
 
 
 # -- the noise-aware verdict (real intervals from RunResult.of_rounds over chosen step times) -------
@@ -257,8 +274,8 @@ def timed_result(step_s, jitter, accuracy=0.9, steps=40):
     return RunResult.of_rounds([RunResult(metrics, conditions, step_times=times)])
 
 
-def test_a_trial_beats_the_baseline_only_when_its_interval_lies_above_the_baselines():
-    from rayvit.studies.judge import versus_baseline
+def test_a_trial_beats_the_baseline_only_when_their_ratios_interval_lies_above_one():
+    from rayvit.studies.search.judge import versus_baseline
 
     base = timed_result(0.070, jitter=0.25)
     assert base.metrics["tflops_per_chip_lo"] < base.metrics["tflops_per_chip"] < base.metrics["tflops_per_chip_hi"]
@@ -271,6 +288,21 @@ def test_a_trial_beats_the_baseline_only_when_its_interval_lies_above_the_baseli
     assert beats                                                          # the same 1.03x, no noise at all
     beats, text = versus_baseline(timed_result(0.10, jitter=0.25), base, "tflops_per_chip", "max")
     assert not beats and "below the baseline" in text
+    # The rule is rayvit.stats' one, the sweep's and the screen's: the ratio of the two runs (separate runs:
+    # unpaired) with its 95% interval, against 1.0.
+    for step_s in (0.050, 0.068, 0.0665, 0.10):
+        trial = timed_result(step_s, jitter=0.25)
+        ratio = stats.compare(trial, base, "tflops_per_chip", paired=False)
+        assert versus_baseline(trial, base, "tflops_per_chip", "max")[0] == (ratio.verdict(1.0) == stats.ABOVE)
+    # 1.05x: the two runs' own intervals still overlap, but the interval of their ratio lies above 1.0.
+    trial = timed_result(0.0665, jitter=0.25)
+    assert trial.metrics["tflops_per_chip_lo"] < base.metrics["tflops_per_chip_hi"]
+    beats, text = versus_baseline(trial, base, "tflops_per_chip", "max")
+    assert beats and text.startswith("1.05x the baseline, beyond noise") and "95% interval 1.0" in text
+    # Results without step times (recorded before they were kept): the figures as they are.
+    bare = RunResult(dict(trial.metrics), dict(trial.conditions))
+    assert versus_baseline(bare, base, "tflops_per_chip", "max") == (
+        True, "1.05x the baseline (no intervals: figures compared as they are)")
 
 
 def test_best_outcome_beyond_noise_keeps_the_baseline_when_the_fastest_trial_is_within_noise():
@@ -288,7 +320,7 @@ def test_best_outcome_beyond_noise_keeps_the_baseline_when_the_fastest_trial_is_
 # -- statuses and reasons ---------------------------------------------------------------------------
 
 def test_a_trial_without_its_final_report_is_interrupted_or_asha_stopped_never_guessed():
-    from rayvit.studies.trials import trial_outcome, trial_status
+    from rayvit.studies.search.trials import trial_outcome, trial_status
 
     assert trial_status({}, None, interrupted=True, asha=False) == "interrupted"
     assert trial_status({}, None, interrupted=True, asha=True) == "interrupted"
@@ -307,17 +339,21 @@ def test_a_trial_without_its_final_report_is_interrupted_or_asha_stopped_never_g
 def test_sigterm_during_the_trials_stops_them_and_exits_143_sigint_130():
     import signal as signals
 
-    from rayvit.studies.judge import SearchInterrupted
-    from rayvit.studies.search import _Signals
+    from rayvit.studies.search import SearchInterrupted
+    from rayvit.studies.search.session import SearchSession, Signals, registered
+    from rayvit.studies.search.tuner import InterruptStop
 
-    live = {"interrupted": None, "out": lambda line: None}
+    session = SearchSession("signals-test", plan_search(load_study(SEARCH_CPU)), lambda line: None)
+    stopper = InterruptStop(session.name)         # Tune's stopper finds the search's flag by its name
     # Whatever handled SIGTERM before (Python's default, or Ray's own once an earlier test started Ray in
     # this process) handles it again after the search.
     before = signals.getsignal(signals.SIGTERM)
-    with _Signals(live) as caught:
+    with registered(session), Signals(session) as caught:
         caught.tune = True
+        assert not stopper.stop_all()
         os.kill(os.getpid(), signals.SIGTERM)        # while Tune runs: a flag for the stopper, no exception
-        assert live["interrupted"] == "SIGTERM" and caught.signum == signals.SIGTERM
+        assert session.interrupted == "SIGTERM" and caught.signum == signals.SIGTERM
+        assert stopper.stop_all()
         assert os.environ["TUNE_DISABLE_SIGINT_HANDLER"] == "1"     # Tune's own handler stays off
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signals.SIGINT)     # a second signal: at once

@@ -1,15 +1,19 @@
-"""Judging a search's trials: the accuracy constraint, the objective, divergence, the best setting."""
+"""Judging a search's trials: the accuracy constraint, the objective, the baseline, the best setting.
+
+Also what a search raises when it cannot go on (:class:`BaselineFailed`, :class:`SearchInterrupted`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
+from rayvit import stats
 from rayvit.config import SearchConfig
 from rayvit.results import RunResult
-from rayvit.worker import DivergedError
+from rayvit.studies.outcome import Outcome, Verdict, last_line
 
 _EPS = 1e-9
 
@@ -31,17 +35,6 @@ class SearchInterrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return self.message
-
-
-@dataclass(frozen=True)
-class Verdict:
-    feasible: bool
-    reason: str
-    objective: Optional[float]
-    accuracy_drop: Optional[float]
-    # Against the baseline, noise-aware (:func:`versus_baseline`): True when the objective's interval lies
-    # beyond the baseline's, False when within noise or worse, None when not compared (infeasible).
-    beats_baseline: Optional[bool] = None
 
 
 def time_to_accuracy(result: RunResult, target: float) -> Optional[float]:
@@ -105,30 +98,47 @@ def versus_baseline(result: Optional[RunResult], baseline: Optional[RunResult], 
                     mode: str) -> tuple[bool, str]:
     """Whether ``result`` beats ``baseline`` on ``objective`` beyond noise, and how that reads.
 
-    A throughput objective carries a 95% interval (``<key>_lo``/``<key>_hi``, :meth:`RunResult.of_rounds`):
-    the trial beats the baseline only when its whole interval lies beyond the baseline's (for ``max``:
-    trial low end above the baseline's high end). Without intervals (``time_to_accuracy``, results
-    recorded before intervals existed) the figures themselves are compared.
+    :mod:`rayvit.stats`' one rule: the ratio of the trial's objective to the baseline's, with its 95%
+    interval from both runs' timed steps (:func:`rayvit.stats.compare`, unpaired: the two are separate
+    runs, not rounds of one), beats the baseline only when the interval lies wholly above 1.0 (for
+    ``max``; below it for ``min``). Without step times to resample (``time_to_accuracy``, results
+    recorded before step times were kept) the figures themselves are compared.
     """
     if result is None or baseline is None:
         return False, "no figures to compare with the baseline"
     value, base = result.metrics.get(objective), baseline.metrics.get(objective)
     if objective == "time_to_accuracy" or not _finite(value) or not _finite(base):
         return False, "no figures to compare with the baseline"
-    lo, hi = result.metrics.get(f"{objective}_lo"), result.metrics.get(f"{objective}_hi")
-    blo, bhi = baseline.metrics.get(f"{objective}_lo"), baseline.metrics.get(f"{objective}_hi")
     gain = speedup(value, base, mode)
-    if not all(_finite(x) for x in (lo, hi, blo, bhi)):
+    ratio = _ratio(result, baseline, objective)
+    if ratio is None:
         beats = value > base if mode == "max" else value < base
         return beats, f"{gain:.2f}x the baseline (no intervals: figures compared as they are)"
-    beats = lo > bhi if mode == "max" else hi < blo
-    where = (f"{value:.4g} ({lo:.4g}-{hi:.4g}) against the baseline's {base:.4g} ({blo:.4g}-{bhi:.4g}), "
-             "95% intervals")
-    if beats:
+    better = stats.ABOVE if mode == "max" else stats.BELOW
+    side = ratio.verdict(1.0)
+    where = (f"{value:.4g} against the baseline's {base:.4g}, ratio {ratio.median:.3f}x, "
+             f"95% interval {ratio.lo:.3f}-{ratio.hi:.3f}")
+    if side == better:
         return True, f"{gain:.2f}x the baseline, beyond noise: {where}"
-    worse = hi < blo if mode == "max" else lo > bhi
-    return False, (f"{gain:.2f}x, below the baseline: {where}" if worse
-                   else f"{gain:.2f}x, within noise of the baseline: {where}")
+    if side == stats.WITHIN_NOISE:
+        return False, f"{gain:.2f}x, within noise of the baseline: {where}"
+    return False, f"{gain:.2f}x, below the baseline: {where}"
+
+
+def _ratio(result: RunResult, baseline: RunResult, objective: str) -> Optional[stats.Estimate]:
+    try:
+        return stats.compare(result, baseline, objective, paired=False)
+    except (KeyError, TypeError, ValueError):   # figures recorded without what their step times need
+        return None
+
+
+def against_baseline(o: Outcome, baseline: Outcome, objective: str, mode: str) -> Outcome:
+    """Outcome ``o`` with its verdict's comparison against the baseline's outcome (feasible trials only)."""
+    if o.verdict is None or not o.verdict.feasible or o is baseline:
+        return o
+    beats, text = versus_baseline(o.result, baseline.result, objective, mode)
+    o.verdict = dataclasses.replace(o.verdict, beats_baseline=beats, reason=f"{o.verdict.reason}; {text}")
+    return o
 
 
 def _finite(x: Any) -> bool:
@@ -141,29 +151,6 @@ def accuracy_excess(result: Optional[RunResult], baseline_accuracy: float, max_d
     if not isinstance(accuracy, (int, float)) or not math.isfinite(accuracy):
         return 1.0
     return (baseline_accuracy - accuracy) - max_drop
-
-
-def is_divergence(error: BaseException) -> bool:
-    """True when a worker's ``DivergedError`` (NaN/inf loss) is what failed the run.
-
-    The worker's exception reaches the driver wrapped (``TrainingError`` <- Ray's ``WorkerGroupError``
-    holding each rank's exception); look through the chain and the per-rank failures.
-    """
-    seen: set[int] = set()
-    stack: list[BaseException] = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, DivergedError) or type(e).__name__ == "DivergedError":
-            return True
-        stack += [e.__cause__, e.__context__]
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict):
-            stack += list(failures.values())
-    # The message text survives every wrapping, even where the exception types do not.
-    return "DivergedError" in str(error) or "the run diverged" in str(error)
 
 
 def speedup(objective: Optional[float], baseline: Optional[float], mode: str) -> Optional[float]:
@@ -186,8 +173,3 @@ def best_outcome(outcomes: Iterable[Any], mode: str, *, beyond_noise: bool = Fal
         return None
     pick = max if mode == "max" else min
     return pick(feasible, key=lambda o: o.verdict.objective)
-
-
-def last_line(text: str) -> str:
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1].strip()[:300] if lines else ""

@@ -13,12 +13,13 @@ So, before any trial:
    (:mod:`rayvit.projection`) carries the single-device step to the trial's worker count (communication,
    the optimizer), so screened figures are per-chip figures of the trial, and each has a 95% interval
    from the blocks of timed steps (:mod:`rayvit.stats`), never narrower than :data:`NOISE_FLOOR`.
-3. Trials run best screened objective first. A setting is not trained when its screened objective does
-   not exceed the baseline's (the baseline counts as the first feasible setting), nor once a feasible
-   trial's measured objective exceeds its screened objective (:class:`ScreenedOrder` decides before each
-   trial): since trials run best screened first, the search then stops. The reason says whether the
-   setting is below the baseline beyond the screen's noise (e.g. bf16 on a CPU without bf16
-   instructions) or only not above it.
+3. Trials run best screened objective first. The stop rule (:func:`stop_reason`): a setting is not
+   trained when its screened objective does not exceed the baseline's (the baseline counts as the first
+   feasible setting), nor once a feasible trial's measured objective exceeds its screened objective
+   (:class:`~rayvit.studies.search.tuner.ScreenedOrder` applies it before each trial): since trials run
+   best screened first, the search then stops. The reason says whether the setting is below the baseline
+   beyond the screen's noise (:mod:`rayvit.stats`' rule; e.g. bf16 on a CPU without bf16 instructions)
+   or only not above it.
 
 Accuracy is not screened: a setting is feasible only after its trial. Screening orders and prunes a
 grid; ``time_to_accuracy`` is ordered by screened images/s and nothing is pruned (time to a target
@@ -33,6 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from rayvit import stats
 from rayvit.config import Config, from_dict
+from rayvit.studies.plan import SearchPlan, setting_label
 
 # A screened ratio is never taken as surer than +-5%: a few steps in one process do not see everything a
 # multi-worker trial adds, nor how a shared machine's load moves between the screen and the trials.
@@ -91,6 +93,39 @@ class ScreenReport:
     @property
     def screened_out(self) -> list[Screened]:
         return [c for c in self.candidates if not c.trained]
+
+
+# --------------------------------------------------------------------------------------------------
+# The search's screen, start to end
+
+
+def run_screen(plan: SearchPlan, out: Callable[[str], None]) -> ScreenReport:
+    """Time every setting's step on one trial device and decide what to train; say so in lines."""
+    s = plan.study.search
+    points = plan.candidates()
+    cfgs = [plan.baseline.cfg] + [p.cfg for p in points]
+    out(f"screen: timing the baseline and {len(points)} setting(s), a few steps each in one process ...")
+    started = time.monotonic()
+    measured = measure(cfgs, s.screen_steps, s.screen_seconds)
+    entries = from_measurement(["baseline"] + [p.key for p in points],
+                               [plan.baseline.setting] + [p.setting for p in points], cfgs, measured)
+    report = screen(entries[0], entries[1:], s.objective, device=measured["device"],
+                    native_bf16=measured["native_bf16"],
+                    profile=profile_for(measured["device"], plan.base.parallel.use_gpu),
+                    seconds=time.monotonic() - started)
+    bf16 = {True: ", native bf16", False: ", no native bf16"}.get(report.native_bf16, "")
+    out(f"screen: {len(cfgs)} settings in {report.seconds:.0f} s on {report.device}{bf16}; "
+        f"baseline {screen_figure(report.baseline, s.objective)}; "
+        f"{len(report.order)} to train, best screened first, {len(report.screened_out)} screened out")
+    for c in sorted(report.candidates, key=lambda c: -(c.ratio.median if c.ratio else 0.0)):
+        out(f"  {c.label} {setting_label(c.setting):<40} {c.decision:<12} "
+            f"{c.ratio.text('.2f', 'x') if c.ratio else '-':<20} {c.reason if not c.trained else ''}".rstrip())
+    return report
+
+
+def screen_figure(c: Screened, objective: str) -> str:
+    """``tflops_per_chip 0.0213 (0.0201-0.0222)``, or why the setting was not screened."""
+    return f"{objective} {c.objective.text('.4g')}" if c.objective else f"not screened ({c.error})"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,11 +258,6 @@ def projected_offset(cfg: Config, seconds_per_step: float, profile) -> float:
     return project(cfg, cfg.parallel.num_workers, profile, compute, peak=1.0).step_s - seconds_per_step
 
 
-def widen(e: stats.Estimate, floor: float = NOISE_FLOOR) -> stats.Estimate:
-    """``e`` with its interval at least ``floor`` x its median either side."""
-    return stats.Estimate(e.median, min(e.lo, e.median * (1 - floor)), max(e.hi, e.median * (1 + floor)), e.rounds)
-
-
 def screen(baseline: Screened, candidates: list[Screened], objective: str, *, device: str = "cpu",
            native_bf16: Optional[bool] = None, profile=None, seconds: float = 0.0) -> ScreenReport:
     """Screened objectives, ratios to the baseline and the first decisions, from measured step times.
@@ -250,21 +280,24 @@ def screen(baseline: Screened, candidates: list[Screened], objective: str, *, de
             c.reason = f"not screened ({c.error or 'no step timed'}): trained anyway"
             continue
         ratio = stats.paired_ratio(_blocks(c), base_blocks, _value(c, objective), _value(baseline, objective))
-        c.ratio = widen(ratio) if ratio is not None else None
-        if c.ratio is None:
-            continue
-        c.note = slow_note(c, device, native_bf16)
-        if prunes and c.ratio.hi <= 1.0:
-            c.decision = "screened out"
-            c.reason = f"{c.ratio.median:.2f}x the baseline on this {device}" + (f": {c.note}" if c.note else "")
-        elif prunes and c.ratio.median <= 1.0:
-            # The stop rule with the baseline as the first feasible setting: its objective already
-            # exceeds this setting's screened one.
-            c.decision = "screened out"
-            c.reason = f"screened {c.ratio.text('.2f', 'x')} the baseline: not above it"
-        else:
-            c.reason = f"screened {c.ratio.text('.2f', 'x')} the baseline"
+        c.ratio = ratio.widened(NOISE_FLOOR) if ratio is not None else None
+        if c.ratio is not None:
+            _decide(c, device, native_bf16, prunes)
     return report
+
+
+def _decide(c: Screened, device: str, native_bf16: Optional[bool], prunes: bool) -> None:
+    """Train ``c`` or not, from its screened ratio to the baseline (prunes: throughput objectives)."""
+    c.note = slow_note(c, device, native_bf16)
+    why = stop_reason(c.ratio, 1.0) if prunes else None
+    if why is None:
+        c.reason = f"screened {c.ratio.text('.2f', 'x')} the baseline"
+        return
+    c.decision = "screened out"
+    if c.ratio.verdict(1.0) == stats.BELOW:
+        # Below the baseline beyond the screen's noise: say how far, and why where the screen can tell.
+        why = f"{c.ratio.median:.2f}x the baseline on this {device}" + (f": {c.note}" if c.note else "")
+    c.reason = why
 
 
 def slow_note(c: Screened, device: str, native_bf16: Optional[bool]) -> str:
@@ -335,19 +368,25 @@ def profile_for(device: str, use_gpu: bool):
 # During the trials: what is left to train
 
 
-def beats_reference(ratio: float, ratio_hi: float, ratio_text: str, ref_ratio: float,
-                    ref_label: str) -> Optional[str]:
-    """None if a setting screened at ``ratio`` (interval up to ``ratio_hi``) x the baseline may still beat
-    the best feasible trial measured so far (``ref_label``, ``ref_ratio`` x the baseline); else why not.
+def stop_reason(screened: stats.Estimate, reference: float, reference_label: Optional[str] = None) -> Optional[str]:
+    """None if a setting screened at ``screened`` x the baseline may still beat the reference; else why not.
 
-    The stop rule: a feasible trial whose measured objective exceeds a setting's screened objective ends
-    that setting's chance (trials run best screened first, so it ends the rest of the search too).
+    The stop rule, the same before the trials (``reference`` 1.0: the baseline, which counts as the first
+    feasible setting) and during them (``reference_label``'s measured ratio to the baseline, the best
+    feasible trial so far): a setting whose screened ratio is not above the reference's is not trained.
+    Trials run best screened first, so once one setting stops every later one does too.
     """
-    if ratio_hi <= ref_ratio:
-        return (f"screened {ratio_text} the baseline: cannot beat {ref_label}'s measured {ref_ratio:.2f}x "
-                "even at the top of the screen's interval")
-    if ratio < ref_ratio:
-        return f"screened {ratio_text} the baseline: {ref_label}'s measured {ref_ratio:.2f}x already exceeds it"
+    text = screened.text(".2f", "x")
+    if reference_label is None:
+        if screened.hi <= reference:
+            return f"screened {text} the baseline: cannot beat it even at the top of the screen's interval"
+        return f"screened {text} the baseline: not above it" if screened.median <= reference else None
+    measured = f"{reference_label}'s measured {reference:.2f}x"
+    if screened.hi <= reference:
+        return f"screened {text} the baseline: cannot beat {measured} even at the top of the screen's interval"
+    if screened.median <= reference:
+        return f"screened {text} the baseline: {measured} already " + (
+            "exceeds it" if screened.median < reference else "equals it")
     return None
 
 

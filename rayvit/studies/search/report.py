@@ -1,6 +1,7 @@
-"""A search's report: its rows and table, the best config it writes, its records on the parent run.
+"""A search's report: its rows and table, the best config it writes, its records in MLflow.
 
-:mod:`rayvit.studies.search` runs the search; this module says what it found.
+:mod:`rayvit.studies.search.run` runs the search; this module says what it found: each trial's line
+and child run as it is judged, and at the end the table, the best config and the parent run's records.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Any, Callable, Optional
 from rayvit.config import Config, rayvit_home
 from rayvit.record import plots
 from rayvit.record.tables import Column, cell, fmt, format_table, times, write_parquet
-from rayvit.studies import screen
-from rayvit.studies.judge import last_line, speedup
-from rayvit.studies.plan import setting_label
-from rayvit.studies.runner import Outcome, Report, StudyRun, print_where
-from rayvit.studies.screen import ScreenReport
+from rayvit.studies.outcome import Outcome, Report, last_line
+from rayvit.studies.plan import SearchPlan, setting_label
+from rayvit.studies.runner import StudyRun, print_where, with_interval
+from rayvit.studies.search.judge import best_outcome, speedup
+from rayvit.studies.search.screen import ScreenReport, Screened, saved_estimate
+from rayvit.studies.search.session import SearchSession
 
 
 @dataclasses.dataclass
@@ -34,10 +36,6 @@ class SearchReport(Report):
     not_trained: dict[str, str] = dataclasses.field(default_factory=dict)   # label -> why (screen, stop rule)
     saved_seconds: float = 0.0
     saved_device_hours: float = 0.0
-
-
-def screen_figure(c: screen.Screened, objective: str) -> str:
-    return f"{objective} {c.objective.text('.4g')}" if c.objective else f"not screened ({c.error})"
 
 
 def _best_path(output: Optional[str | Path], name: str) -> Path:
@@ -58,11 +56,76 @@ def _best_header(report: SearchReport, max_drop: float) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Each outcome as it is judged: its MLflow record and its line
+
+
+def record_outcome(run: StudyRun, o: Outcome, role: str) -> None:
+    """The outcome's verdict as tags and figures; a child run of its own for trials (kind ``point``, so
+    a rerun of the search finds its finished trials)."""
+    tags = {"rayvit.role": role, "rayvit.trial": o.point.key, "setting": setting_label(o.point.setting),
+            "feasible": str(o.verdict.feasible).lower(), "reason": o.verdict.reason[:500], "status": o.status}
+    if o.verdict.beats_baseline is not None:
+        tags["beats_baseline"] = str(o.verdict.beats_baseline).lower()
+    figures = {"objective": o.verdict.objective, "accuracy_drop": o.verdict.accuracy_drop, "trial_seconds": o.seconds}
+    if role == "baseline":
+        run.tracker.set_tags(o.run_id, tags)
+        run.tracker.log_metrics(o.run_id, figures, step=0)
+        return
+    tags.update({"strategy": o.point.cfg.parallel.strategy, "world_size": o.point.world_size})
+    run.record(o, tags, figures, params={f"trial.{k}": v for k, v in o.point.setting.items()})
+    if o.status == "interrupted":
+        # Stopped by the user, not broken: MLflow's KILLED, as an interrupted sweep point.
+        run.tracker.client.set_terminated(o.run_id, status="KILLED")
+
+
+def progress_line(o: Outcome, plan: SearchPlan) -> str:
+    """``[t01/12] impl=fused: FEASIBLE in 41 s; tflops_per_chip ...; why``."""
+    v, s = o.verdict, plan.study.search
+    figures = ""
+    if o.result is not None:
+        figures = (f"; {s.objective} {with_interval(o.result.metrics, s.objective, '.4g')}, val accuracy "
+                   f"{fmt(o.result.metrics.get('val_accuracy'), '.2%')}")
+    took = "reused" if o.status == "reused" else f"in {o.seconds:.0f} s"
+    return (f"[{o.point.key}/{plan.num_trials}] {setting_label(o.point.setting)}: "
+            f"{'FEASIBLE' if v.feasible else o.status if o.status in ('interrupted',) else 'infeasible'} "
+            f"{took}{figures}; {v.reason}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The report at the end
+
+
+def finish_report(run: StudyRun, session: SearchSession, output: Optional[str | Path],
+                  seconds: float) -> SearchReport:
+    """The table, the best feasible setting beyond noise, what the screen saved, the parent run's records."""
+    plan, baseline, screened = session.plan, session.baseline, session.screen
+    s = plan.study.search
+    outcomes = sorted(session.outcomes.values(), key=lambda o: o.point.key)
+    best = best_outcome([baseline] + outcomes, plan.mode, beyond_noise=True) or baseline
+    not_trained = dict(session.skipped)
+    report = SearchReport(run.name, "search", run.experiment, run.uri, run.parent_id, outcomes, [],
+                          seconds=seconds, baseline=baseline, best=best, objective=s.objective, mode=plan.mode,
+                          released_placement_groups=session.released_placement_groups, screen=screened,
+                          not_trained=not_trained)
+    if screened is not None and not_trained:
+        skipped = [c for c in screened.candidates if c.label in not_trained]
+        report.saved_seconds, report.saved_device_hours = saved_estimate(
+            skipped, screened.baseline, baseline.seconds if baseline.status == "done" else 0.0,
+            plan.base.train.steps, plan.base.parallel.num_workers)
+    report.rows = sort_rows(trial_rows(outcomes, baseline, plan.mode, screened, not_trained), plan.mode)
+    report.best_config_path = write_best_config(
+        plan.study.run if best is baseline else best.point.cfg, _best_path(output, run.name),
+        _best_header(report, s.max_accuracy_drop))
+    _log_parent_results(run, report)
+    return report
+
+
+# --------------------------------------------------------------------------------------------------
 # Rows, the table, the best config
 
 
-def trial_rows(outcomes: list[Outcome], baseline: Outcome, mode: str, screened: Optional[screen.ScreenReport] = None,
-            not_trained: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+def trial_rows(outcomes: list[Outcome], baseline: Outcome, mode: str, screened: Optional[ScreenReport] = None,
+               not_trained: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
     """One flat row per setting (baseline first): setting, status, verdict, objective, speedup, screen,
     conditions, figures; settings the screen kept from training are rows too, with why."""
     rows = []
@@ -92,7 +155,7 @@ def trial_rows(outcomes: list[Outcome], baseline: Outcome, mode: str, screened: 
     return rows
 
 
-def _screen_cells(c: Optional[screen.Screened]) -> dict[str, Any]:
+def _screen_cells(c: Optional[Screened]) -> dict[str, Any]:
     if c is None or c.ratio is None:
         return {"screened_ratio": None, "screened_ratio_lo": None, "screened_ratio_hi": None}
     return {"screened_ratio": c.ratio.median, "screened_ratio_lo": c.ratio.lo, "screened_ratio_hi": c.ratio.hi}
@@ -131,7 +194,7 @@ def search_columns(objective: str, best: Optional[str]) -> list[Column]:
 def _short_reason(reason: str) -> str:
     """The table's reason: up to the interval detail (the trial's line and MLflow keep the whole text)."""
     reason = reason or ""
-    return reason.split(": ", 1)[0] if "95% intervals" in reason else reason
+    return reason.split(": ", 1)[0] if "95% interval" in reason else reason
 
 
 def search_table(rows: list[dict[str, Any]], objective: str, best: Optional[str] = None) -> str:
