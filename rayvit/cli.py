@@ -174,13 +174,19 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
 
 
 def _project(args: argparse.Namespace) -> int:
-    """The projection table and PNG; imports neither Ray nor torch.distributed."""
+    """The projection table and PNG. Analytic, without Ray or torch; only the ``cpu`` profile (this host)
+    times a matmul first, with torch, when no measured rate is given."""
     from rayvit.projection import cli as projection
 
     study = projection.load(args.config, args.overrides)
     hardware = args.hardware or (["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"])
+    cpu_peaks = None
+    if "cpu" in hardware and not args.measured:
+        from rayvit.measure.host import cpu_peaks_for
+
+        cpu_peaks = cpu_peaks_for([study.run])
     projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir,
-                   as_json=args.json, data_rate=args.data_rate, node_cpus=args.node_cpus)
+                   as_json=args.json, data_rate=args.data_rate, node_cpus=args.node_cpus, cpu_peaks=cpu_peaks)
     return 0
 
 
@@ -203,12 +209,7 @@ def eprint(message: str) -> None:
 
 def _guarded(run: Callable[[], int], interrupted: str) -> int:
     """Start-up errors (exit 2) and Ctrl-C (exit 130) said in one line each, as a CLI should."""
-    from rayvit.config import ConfigError
-    from rayvit.launch.connect import ConnectError
-    from rayvit.launch.capacity import ClusterTooSmall
-    from rayvit.record.tracking import TrackingError
-    from rayvit.studies.search import BaselineFailed
-
+    from rayvit.errors import BaselineFailed, ClusterTooSmall, ConfigError, ConnectError, TrackingError
     from rayvit.launch.console import quiet_loggers
 
     quiet_loggers()

@@ -13,21 +13,19 @@ every field and error messages can always say what is allowed.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional
 
 import yaml
 
-from rayvit.config_build import build
+from rayvit.config_build import build, read_yaml, with_overrides
 from rayvit.config_rules import LADDER_RUNGS, resolved_model, validate, validate_search, validate_sweep
 from rayvit.errors import ConfigError
 from rayvit.strategies import BASELINE
-from rayvit.strategies.dtypes import reduces_in_half
+from rayvit.strategies.dtypes import reduces_in_half  # noqa: F401 - part of the config's vocabulary
 
 
 
@@ -375,7 +373,7 @@ def load_study(path: str | os.PathLike | None = None,
 
     ``baseline_required=False``: ``sweep.strategies`` need not name DDP (the projection adds it itself;
     a sweep measures every point against it, so ``rayvit sweep`` requires it)."""
-    return study_from_dict(read_yaml(config_path(path)) if path is not None else {}, overrides,
+    return study_from_dict(read_yaml(config_path(path), shipped_configs()) if path is not None else {}, overrides,
                            baseline_required=baseline_required)
 
 
@@ -400,23 +398,9 @@ def as_config(cfg: "Config | dict[str, Any] | str | os.PathLike") -> "Config":
                       f"({', '.join(shipped_configs())}), got {type(cfg).__name__}")
 
 
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path} (nor is it one of the configs rayvit ships: "
-                          f"{', '.join(shipped_configs())})")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
-
-
 def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = ()) -> Config:
     """Build a validated run :class:`Config` from nested dicts plus overrides."""
-    data = _with_overrides(data, overrides)
+    data = with_overrides(data, overrides)
     study_keys = sorted(set(data) & set(STUDY_SECTIONS))
     if study_keys:
         raise ConfigError(f"section {study_keys[0]!r} belongs to a study, not to a run config: use "
@@ -427,7 +411,7 @@ def from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = 
 def study_from_dict(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any] = (), *,
                     baseline_required: bool = True) -> Study:
     """Build a validated :class:`Study` from the YAML file's shape plus overrides."""
-    data = _with_overrides(data, overrides)
+    data = with_overrides(data, overrides)
     unknown = sorted(set(data) - set(RUN_SECTIONS) - set(STUDY_SECTIONS))
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]!r} in config; allowed: "
@@ -446,63 +430,3 @@ def _run_config(data: dict[str, Any]) -> Config:
     cfg = dataclasses.replace(cfg, model=resolved_model(cfg.model))
     validate(cfg)
     return cfg
-
-
-# Keys that moved: old name -> new name. An old name still works, with a warning naming the new one.
-RENAMED_KEYS = {"train.compile": "model.compile"}
-
-
-def _renamed(key: str) -> str:
-    new = RENAMED_KEYS.get(key)
-    if new is None:
-        return key
-    warnings.warn(f"{key} is now {new} (torch.compile is applied per strategy, decided with the model); "
-                  f"read as {new}: write {new} instead", FutureWarning, stacklevel=4)
-    return new
-
-
-def _with_overrides(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
-    data = copy.deepcopy(data)
-    # Renamed keys in the base data first, so that an override of either name still wins over the file.
-    for old in RENAMED_KEYS:
-        section, _, name = old.partition(".")
-        if isinstance(data.get(section), dict) and name in data[section]:
-            new_section, _, new_name = _renamed(old).partition(".")
-            value = data[section].pop(name)
-            if not isinstance(data.get(new_section), dict):
-                data[new_section] = {}
-            data[new_section][new_name] = value
-    for key, value in _parse_overrides(overrides):
-        key = _renamed(key)
-        section, _, name = key.partition(".")
-        if not name:
-            raise ConfigError(f"override {key!r} must look like section.key=value")
-        if section not in data or data[section] is None:
-            data[section] = {}
-        if not isinstance(data[section], dict):
-            raise ConfigError(f"section {section!r} must be a mapping")
-        data[section][name] = value
-    return data
-
-
-def _parse_overrides(overrides: Iterable[str] | dict[str, Any]) -> list[tuple[str, Any]]:
-    if isinstance(overrides, dict):
-        return list(overrides.items())
-    pairs = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        pairs.append((key.strip(), _parse_scalar(raw.strip())))
-    return pairs
-
-
-def _parse_scalar(raw: str) -> Any:
-    """CLI values: YAML scalars/lists (``[2, 2]``), or a comma list (``ddp,fsdp``)."""
-    try:
-        value = yaml.safe_load(raw) if raw else None
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str) and "," in value:
-        return [_parse_scalar(part.strip()) for part in value.split(",")]
-    return value

@@ -1,4 +1,5 @@
-"""Building a config section from YAML values and ``--set`` strings: the generic type checker.
+"""Building a config section from YAML values and ``--set`` strings: the generic type checker, and the
+forms a config comes in (a YAML file's mapping, ``section.key=value`` overrides, renamed keys).
 
 Every field's type annotation says what it takes (``Literal[...]`` lists the allowed values), so one
 checker covers every field and an error can always say what is allowed. A value given as text on the
@@ -7,10 +8,15 @@ command line is read as the field's type; a single value for a list field is a l
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import os
 import types
 import typing
-from typing import Any, Literal, Union
+import warnings
+from typing import Any, Iterable, Literal, Union
+
+import yaml
 
 from rayvit.errors import ConfigError
 
@@ -85,3 +91,78 @@ def _to_str(value: Any, key: str) -> str:
 
 
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def read_yaml(path: str | os.PathLike, shipped: Iterable[str] = ()) -> dict[str, Any]:
+    """The mapping of sections a YAML config file holds; ``shipped``: the names the error offers instead."""
+    if not os.path.isfile(path):
+        offer = f" (nor is it one of the configs rayvit ships: {', '.join(shipped)})" if shipped else ""
+        raise ConfigError(f"config file not found: {path}{offer}")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+# Keys that moved: old name -> new name. An old name still works, with a warning naming the new one.
+RENAMED_KEYS = {"train.compile": "model.compile"}
+
+
+def _renamed(key: str) -> str:
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return key
+    warnings.warn(f"{key} is now {new} (torch.compile is applied per strategy, decided with the model); "
+                  f"read as {new}: write {new} instead", FutureWarning, stacklevel=4)
+    return new
+
+
+def with_overrides(data: dict[str, Any], overrides: Iterable[str] | dict[str, Any]) -> dict[str, Any]:
+    data = copy.deepcopy(data)
+    # Renamed keys in the base data first, so that an override of either name still wins over the file.
+    for old in RENAMED_KEYS:
+        section, _, name = old.partition(".")
+        if isinstance(data.get(section), dict) and name in data[section]:
+            new_section, _, new_name = _renamed(old).partition(".")
+            value = data[section].pop(name)
+            if not isinstance(data.get(new_section), dict):
+                data[new_section] = {}
+            data[new_section][new_name] = value
+    for key, value in _parse_overrides(overrides):
+        key = _renamed(key)
+        section, _, name = key.partition(".")
+        if not name:
+            raise ConfigError(f"override {key!r} must look like section.key=value")
+        if section not in data or data[section] is None:
+            data[section] = {}
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"section {section!r} must be a mapping")
+        data[section][name] = value
+    return data
+
+
+def _parse_overrides(overrides: Iterable[str] | dict[str, Any]) -> list[tuple[str, Any]]:
+    if isinstance(overrides, dict):
+        return list(overrides.items())
+    pairs = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        pairs.append((key.strip(), _parse_scalar(raw.strip())))
+    return pairs
+
+
+def _parse_scalar(raw: str) -> Any:
+    """CLI values: YAML scalars/lists (``[2, 2]``), or a comma list (``ddp,fsdp``)."""
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and "," in value:
+        return [_parse_scalar(part.strip()) for part in value.split(",")]
+    return value

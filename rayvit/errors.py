@@ -88,3 +88,11 @@ class SearchInterrupted(KeyboardInterrupt):
     def __init__(self, message: str, signum: int = 2):      # 2: SIGINT
         super().__init__(message)
         self.message, self.signum = message, signum
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + int(self.signum)
+
+    def __str__(self) -> str:
+        return self.message

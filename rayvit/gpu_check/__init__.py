@@ -68,10 +68,11 @@ STUDY_RATIOS = {"batch_second": 1.51, "image_256": 1.86, "full_half": 2.18}
 from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check_fairscale_weight_decay,  # noqa: E402,F401
                                     check_flash, check_layer_norm_fp32, check_nccl, check_nvml_sampler,
                                     check_profile, check_reduce_dtype, check_training)
-from rayvit.gpu_check.cases import (check_cold_compile, check_gpu_decode, check_group_memory,  # noqa: E402,F401
-                                    check_nan_on_one_rank, check_state_after_evaluation)
-from rayvit.gpu_check.cases import _one_line  # noqa: E402
-from rayvit.gpu_check.ladder import _free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
+from rayvit.gpu_check.cases import one_line  # noqa: E402
+from rayvit.gpu_check.decode import check_gpu_decode  # noqa: E402,F401
+from rayvit.gpu_check.ladder import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
+from rayvit.gpu_check.rounds import (check_cold_compile, check_group_memory, check_nan_on_one_rank,  # noqa: E402,F401
+                                     check_state_after_evaluation)
 
 
 def parse_args(argv: Optional[list[str]] = None, prog: str = "rayvit gpu-check") -> argparse.Namespace:
@@ -196,7 +197,7 @@ def run_checks(device, *, compile_: bool, out: Callable[[str], None], quick: boo
     results = []
     for name, fn in checks:
         results.append(run_check(name, fn, out))
-        _free_device_memory(device)
+        free_device_memory(device)
     return results
 
 
@@ -209,7 +210,7 @@ def run_check(name: str, fn: Callable[[], str], out: Callable[[str], None]) -> d
     except NotCheckable as e:
         detail, ok = str(e), None
     except Exception as e:
-        detail, ok = _one_line(e), False
+        detail, ok = one_line(e), False
         traceback_text = traceback.format_exc()     # in the JSON file; the console gets one line
     seconds = time.perf_counter() - start
     status = {True: "PASS", False: "FAIL", None: "N/A "}[ok]

@@ -4,10 +4,11 @@ failure or :class:`NotCheckable` where this machine cannot tell (see :mod:`rayvi
 
 from __future__ import annotations
 
-from rayvit.errors import NotCheckable
 import math
 import traceback
 from typing import Any, Callable, Optional
+
+from rayvit.errors import NotCheckable
 
 
 # Run from a checkout (or a `ray job submit --working-dir` copy) without installing the package.
@@ -33,7 +34,7 @@ def _two_rank_entry(rank: int, backend: str, devices: Optional[tuple], folder: s
         try:
             outcome = ("ok", fn(device, *args))
         except Exception as e:              # the parent raises it, with the rank
-            outcome = ("error", f"{_one_line(e)}\n{traceback.format_exc()}")
+            outcome = ("error", f"{one_line(e)}\n{traceback.format_exc()}")
         torch.save(outcome, f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -432,159 +433,6 @@ def check_activation_memory(device, mode: str, extra: Optional[dict[str, Any]] =
     return text
 
 
-def check_gpu_decode(device, images: int = 64, size: int = 224) -> str:
-    """``data.decode=gpu``: the sample photographs' training crops decoded by nvJPEG (torchvision, batched)
-    match the CPU decoder's crops of the same boxes (mean absolute difference under 3 levels of 255), and
-    how fast each path runs here (GPU: the whole batch; CPU: one core)."""
-    import tempfile
-    import time
-
-    import numpy as np
-    import torch
-
-    from rayvit.data.gpu_decode import decode_planned, plan_batch
-    from rayvit.data.images import ImageTransform, resize_box, decode_scaled
-    from rayvit.data.photos import make_photos
-
-    try:
-        import skimage  # noqa: F401 - the sample photographs
-        import torchvision  # noqa: F401
-    except ImportError as e:
-        raise NotCheckable(f"needs torchvision (built for this torch) and scikit-image: {e}") from e
-    with tempfile.TemporaryDirectory() as tmp:
-        files = sorted(make_photos(tmp, per_class=max(1, images // 8)).rglob("*.jpg"))
-        encoded = [f.read_bytes() for f in files]
-    spec = ImageTransform(size=size, train=True)
-    plan = plan_batch({"image": np.array(encoded, dtype=object), "label": np.zeros(len(encoded))}, "image", "label", spec)
-    decode_planned(plan, size, device)                          # warm: nvJPEG's handles and buffers
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    gpu = decode_planned(plan, size, device)["image"]
-    torch.cuda.synchronize(device)
-    gpu_s = time.perf_counter() - start
-    start = time.perf_counter()
-    cpu = []
-    for data, box, flip in zip(plan["jpeg"], plan["box"].tolist(), plan["flip"].tolist()):
-        crop = resize_box(decode_scaled(data, 1), tuple(box), size)[0]
-        cpu.append(crop.flip(-1) if flip else crop)
-    cpu_s = time.perf_counter() - start
-    diff = (gpu.cpu().float() - torch.stack(cpu).float()).abs().mean().item()
-    text = (f"{len(encoded)} crops at {size} px: mean |GPU - CPU| {diff:.2f} levels; nvJPEG batch "
-            f"{len(encoded) / gpu_s:.0f} img/s, one CPU core {len(encoded) / cpu_s:.0f} img/s (full decode)")
-    if diff > 3.0:
-        raise RuntimeError("GPU-decoded crops differ from the CPU's: " + text)
-    return text
-
-
-def check_state_after_evaluation(device, strategy: str, mode: str, dtype: str) -> str:
-    """``model_state_bytes_per_rank`` under both ``reshard_after_forward`` settings, with and without a
-    validation split: the same in all four runs. (An evaluation's forward leaves FairScale's root, and its
-    blocks without resharding, gathered and in half precision until the next backward; counted then, the
-    state came out smaller.)"""
-    from rayvit.projection import memory
-    from rayvit.worker import train
-
-    seen = {}
-    for reshard in (True, False):
-        for data in ("digits", "synthetic"):
-            cfg = small_config({"parallel.strategy": strategy, "precision.mode": mode, "precision.dtype": dtype,
-                                "parallel.reshard_after_forward": reshard, "data.name": data}, steps=4)
-            seen[(reshard, data)] = int(train(cfg, device=device).metrics["model_state_bytes_per_rank"])
-    projected = memory.model_state(cfg, 1).total
-    facts = (f"{seen[(True, 'digits')]:,} B per rank in every run (reshard on/off, with/without a validation "
-             f"split); projected {projected:,} B")
-    if len(set(seen.values())) != 1:
-        raise RuntimeError("model state differs between runs: " + ", ".join(
-            f"reshard={r} {d}: {b:,} B" for (r, d), b in seen.items()))
-    return facts
-
-
-def check_group_memory(device, strategies: tuple[str, ...] = ("ddp", "fairscale_fsdp", "fsdp"),
-                       tolerance_mib: float = 16.0) -> str:
-    """One worker group's rounds, in a process group of their own (as a Ray Train worker group's): after
-    each run (its memory released) the process groups that exist and, on CUDA, the device's free memory
-    must be the same in round 2 as in round 1 for every strategy. FairScale FSDP's cached process groups
-    (and their NCCL communicators, outside torch's allocator) are made before round 1, not by its first
-    run, so a run before it in round 1 does not see more memory than the same run in round 2."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _world
-
-    from rayvit.worker.rounds import measure_rounds
-    from rayvit.strategies import strategy_class
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
-    cfgs = [small_config({"parallel.strategy": s, "precision.mode": "fp32"}, steps=4) for s in strategies]
-    after: dict[tuple[int, int], tuple[int, float]] = {}
-
-    def reading(index, r, slot, result, error) -> None:
-        if error is not None:
-            raise RuntimeError(f"{strategies[index]} failed in round {r + 1}: {error.strip().splitlines()[-1]}")
-        free = torch.cuda.mem_get_info(device)[0] / 2**20 if device.type == "cuda" else math.nan
-        after[(index, r)] = (len(_world.pg_map), free)
-
-    if device.type == "cuda":
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        measure_rounds(cfgs, 2, device=device, on_round=reading)
-    finally:
-        for s in strategies:
-            strategy_class(s).forget_process_groups()
-        dist.destroy_process_group()
-    memory = (lambda i: f"{after[(i, 0)][1]:.0f}/{after[(i, 1)][1]:.0f} MiB free, ") if device.type == "cuda" \
-        else (lambda i: "")
-    facts = "after rounds 1/2: " + "; ".join(f"{s} {memory(i)}{after[(i, 0)][0]} process groups"
-                                             for i, s in enumerate(strategies))
-    for i, s in enumerate(strategies):
-        (groups1, free1), (groups2, free2) = after[(i, 0)], after[(i, 1)]
-        if groups1 != groups2 or (device.type == "cuda" and abs(free1 - free2) > tolerance_mib):
-            raise RuntimeError(f"{s} saw other process groups or free memory in round 2 than in round 1: {facts}")
-    return facts
-
-
-def _rounds_with_a_nan_on_rank_1(device) -> list:
-    from rayvit.worker.rounds import measure_rounds
-
-    ok = small_config({"parallel.num_workers": 2, "precision.mode": "amp", "precision.dtype": "fp16"}, steps=4)
-    broken = ok.replace({"train.fail_at_step": 2, "train.fail_rank": 1, "train.fail_mode": "nan"})
-    return [o["error"] for o in measure_rounds([ok, broken, ok], 2, device=device)]
-
-
-def check_nan_on_one_rank(device) -> str:
-    """A loss that is not finite on one rank only (``train.fail_mode=nan``, as one rank's fp16 overflow):
-    over NCCL both ranks end that run with the same error, and go on with the others' rounds."""
-    import torch
-
-    if not (device.type == "cuda" and torch.cuda.device_count() >= 2):
-        raise NotCheckable("not checkable on one GPU: needs two ranks over NCCL (two GPUs); the gloo "
-                           "version runs in tests/ray/test_rank_failures.py")
-    errors = on_two_ranks(_rounds_with_a_nan_on_rank_1, backend="nccl", devices=(0, 1))
-    first, second = errors
-    if first != second or first[0] is not None or first[2] is not None or "on rank 1" not in (first[1] or ""):
-        raise RuntimeError(f"the ranks did not agree on the failing run alone: {errors}")
-    return "2 ranks (NCCL): " + first[1].strip().splitlines()[-1]
-
-
-def check_cold_compile(device) -> str:
-    """Two compiled runs of the same config in one process (as two rounds of a worker group): each
-    compiles from empty caches, the same graphs, in a like time."""
-    from rayvit.worker import train
-
-    cfg = small_config({"model.compile": True, "precision.mode": "amp", "precision.dtype": "bf16"}, steps=8)
-    runs = [train(cfg, device=device) for _ in range(2)]
-    times = [r.metrics["compile_time_s"] for r in runs]
-    graphs = [r.metrics["compile_graphs"] for r in runs]
-    facts = f"compiled {graphs[0]:.0f} and {graphs[1]:.0f} graphs in {times[0]:.1f} and {times[1]:.1f} s"
-    if not all(r.conditions["compile_cold"] for r in runs) or graphs[0] != graphs[1] or not graphs[0] > 0:
-        raise RuntimeError(f"the second run did not compile what the first did: {facts}")
-    if not times[1] > 0.5 * times[0]:
-        raise RuntimeError(f"the second compile took under half the first's (warm caches?): {facts}")
-    return facts
-
-
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"[:300]

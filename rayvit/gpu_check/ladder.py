@@ -9,7 +9,7 @@ import gc
 import time
 from typing import Any, Callable, Optional
 
-from rayvit.gpu_check.cases import _one_line
+from rayvit.gpu_check.cases import one_line
 
 def ladder_config(args: argparse.Namespace, *, model: Optional[dict[str, Any]] = None,
                   ladder_image_size: int = 256):
@@ -50,18 +50,18 @@ def run_ladder(cfg, device, *, out: Callable[[str], None]) -> list[dict[str, Any
                 f"MFU {m['mfu']:6.1%}  {m['images_per_sec_per_chip']:7.1f} img/s")
         except Exception as e:
             hint = " (lower --batch-size)" if isinstance(e, torch.cuda.OutOfMemoryError) else ""
-            outcome = Outcome(point, "failed", error=_one_line(e) + hint,
+            outcome = Outcome(point, "failed", error=one_line(e) + hint,
                               seconds=time.perf_counter() - start)
             out(f"  {point.key:<22} FAILED: {outcome.error}")
         outcomes.append(outcome)
-        _free_device_memory(device)
+        free_device_memory(device)
     rows = rows_of(outcomes, "ladder")
     out("")
     out(sweep_table(rows, "ladder"))
     return rows
 
 
-def _free_device_memory(device) -> None:
+def free_device_memory(device) -> None:
     import torch
 
     from rayvit.training import hardware

@@ -21,37 +21,31 @@ import contextlib
 import json
 import logging
 import os
-import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import ray
-import torch
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.errors import TrainingError
 from rayvit import process_state
-from rayvit.config import Config, ConfigError, as_config, from_dict
+from rayvit.config import Config, ConfigError, as_config
 from rayvit.config_rules import check_with_torch
 from rayvit.launch import capacity
 from rayvit.launch.capacity import ClusterTooSmall
 from rayvit.launch.connect import ensure_ray, started_local
+from rayvit.launch.entry import loop_config, train_loop_per_worker
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import worker_bundle
 from rayvit.launch.storage import StorageError, check_storage, storage_path
 from rayvit.results import Comparison, RunResult
-from rayvit.worker import Session, train
 
 logger = logging.getLogger(__name__)
 
 
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-# The keys of a final report and what it stands for (see train_loop_per_worker).
-FINAL_KEY = "final"
-SUMMARY_FILE = "rayvit_summary.json"
 
 
 def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[str]]:
@@ -98,121 +92,6 @@ def check_cluster_fits(cfgs: list[Config]) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
-# The worker side
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}`` (:func:`loop_config`).
-    Returns the summary dict; every ``train.report_every`` steps it reports the running figures, and once
-    more at the end the run's summary (see :func:`make_trainer`).
-
-    With ``config["group"]`` (a list of config dicts) and ``config["rounds"]``, the workers measure every
-    config of the group in interleaved rounds instead (:func:`rayvit.worker.rounds.measure_rounds`) and
-    return ``{"group": [one entry per config]}``.
-    """
-    cfg = from_dict(config["rayvit"])
-    _check_worker_matches(cfg)
-    device = ray.train.torch.get_device() if cfg.parallel.use_gpu else torch.device("cpu")
-    if device.type == "cpu":
-        # The inter-op pool can be sized once per process, before any inter-op work: this Ray worker is
-        # rayvit's own process, so it is sized here, to the CPUs the worker was given.
-        with contextlib.suppress(RuntimeError):
-            torch.set_num_interop_threads(cfg.parallel.cpus_per_worker)
-    shards = {}
-    for name in ("train", "val"):
-        try:
-            shards[name] = ray.train.get_dataset_shard(name)
-        except (KeyError, ValueError, RuntimeError):
-            shards[name] = None
-    shards = shards if shards["train"] is not None else None
-    waits: list[list[list[float]]] = []
-    if config.get("group") is not None:
-        from rayvit.worker.rounds import measure_rounds
-
-        poster = config.get("progress")
-        between = None
-        if config.get("links") is not None:
-            # The wait for the slowest rank drifts over seconds on a shared host: read it after every
-            # round, so the links cover the same minutes as the points they project.
-            from rayvit.measure.timers import wait_curve
-
-            between = lambda r: waits.append(wait_curve(device))  # noqa: E731
-        out: dict[str, Any] = {"group": measure_rounds(
-            [from_dict(c) for c in config["group"]], config["rounds"], device=device, dataset_shards=shards,
-            on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None,
-            between_rounds=between, on_abandon=poster.round_abandoned if poster else None)}
-    else:
-        out = _train_one(cfg, config, device, shards).to_dict()
-    if config.get("links") is not None:
-        out["links"] = _measure_links(cfg, {**config, "links": {**config["links"], "host_waits": waits}})
-    return out
-
-
-def _check_worker_matches(cfg: Config) -> None:
-    """A ``TorchTrainer`` built by hand may give more workers or CPUs than the config says: every figure
-    would then be stated for the wrong world size or thread count. Refused on the first worker."""
-    p = cfg.parallel
-    context = ray.train.get_context()
-    world = context.get_world_size()
-    given = ray.get_runtime_context().get_assigned_resources().get("CPU")
-    problems = []
-    if world != p.num_workers:
-        problems.append(f"the ScalingConfig started {world} workers, the config says parallel.num_workers="
-                        f"{p.num_workers}")
-    if given is not None and round(given) != p.cpus_per_worker:
-        problems.append(f"each worker was given {given:g} CPUs, the config says parallel.cpus_per_worker="
-                        f"{p.cpus_per_worker}")
-    if problems:
-        raise ConfigError("; ".join(problems) + ". Build the trainer with rayvit.trainer.make_trainer(cfg), or "
-                          "pass scaling_config=rayvit.trainer.scaling_config(cfg) to your TorchTrainer")
-
-
-def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards: Optional[dict]) -> RunResult:
-    t = cfg.train
-
-    def report(metrics: dict, session: Session) -> None:
-        final = bool(metrics.get(FINAL_KEY))
-        if final or (t.checkpoint_every and session.step % t.checkpoint_every == 0):
-            with tempfile.TemporaryDirectory() as tmp:
-                if t.checkpoint_every:
-                    session.save_checkpoint(tmp)
-                if final and session.rank == 0:
-                    # Ray Train builds Result.metrics from the last report that carried a checkpoint: the
-                    # final one always does, with the summary in it, so result.metrics holds the figures.
-                    with open(os.path.join(tmp, SUMMARY_FILE), "w") as f:
-                        json.dump(metrics, f, default=str)
-                # Ranks that wrote nothing (replicated strategies: rank 0 writes the full copy) report none.
-                checkpoint = Checkpoint.from_directory(tmp) if os.listdir(tmp) else None
-                ray.train.report(metrics, checkpoint=checkpoint)
-        else:
-            ray.train.report(metrics)
-
-    checkpoint = ray.train.get_checkpoint()
-    with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
-        if resume_from is not None and not os.path.exists(os.path.join(resume_from, "meta.json")):
-            resume_from = None      # a summary-only final checkpoint: nothing to resume from
-        return train(cfg, device=device, dataset_shards=shards, report=report, resume_from=resume_from,
-                     on_step=config.get("progress"))
-
-
-def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
-    """The collective microbenchmark after training, outside every timed step, on these very workers.
-
-    It never fails the run it follows (an OOM on a small GPU, a collective the backend lacks): the error
-    comes back as ``{"error": ...}`` and the sweep projects with the hardware profile's links.
-    """
-    from rayvit.measure.links import worker_benchmark
-
-    try:
-        return worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
-                                 "model": config["rayvit"], "batch": cfg.train.batch_size,
-                                 "strategy_configs": config.get("group") or [config["rayvit"]], **config["links"]})
-    except Exception as e:  # noqa: BLE001
-        logger.warning("the links microbenchmark failed: %s", e)
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-# --------------------------------------------------------------------------------------------------
 # The driver side
 
 
@@ -226,12 +105,6 @@ def _scaling(cfg: Config) -> ScalingConfig:
     p = cfg.parallel
     return ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu, resources_per_worker=worker_bundle(cfg),
                          accelerator_type=p.accelerator_type, placement_strategy=p.placement_strategy)
-
-
-def loop_config(cfg: Config | dict) -> dict[str, Any]:
-    """The ``train_loop_config`` of :func:`train_loop_per_worker` for ``cfg``, validated here on the driver
-    (a typo is a ``ConfigError`` now, not a worker's error seconds later)."""
-    return {"rayvit": as_config(cfg).to_dict()}
 
 
 def _check_scaling(cfg: Config, given: ScalingConfig) -> None:

@@ -104,15 +104,17 @@ def footnotes(points: list[Projection], chips: list[int]) -> list[str]:
 
 def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None, measured: Optional[str] = None,
         out_dir: Optional[str] = None, as_json: bool = False, out: Callable[[str], None] = print,
-        data_rate: Optional[str] = None, node_cpus: Optional[float] = None) -> list[Projection]:
+        data_rate: Optional[str] = None, node_cpus: Optional[float] = None,
+        cpu_peaks: Optional[dict] = None) -> list[Projection]:
     """Print the projection of the study's sweep on each hardware profile (or, ``as_json``, one JSON record
     per row) and write one PNG per profile (``as_json``: only where ``out_dir`` is given); with
-    ``data_rate`` (:func:`rayvit.projection.inputs.load_rate`) also whether the input keeps up."""
+    ``data_rate`` (:func:`rayvit.projection.inputs.load_rate`) also whether the input keeps up.
+    ``cpu_peaks``: the host's measured matmul rates, for the ``cpu`` profile (:mod:`rayvit.measure.host`)."""
     cfg = study.run
     check_chips(chips)
     input_rate = inputs.load_rate(data_rate, cfg.model.image_size) if data_rate else None
     chips = sorted(set(chips or study.sweep.worker_counts))
-    profiles = [get_profile(name) for name in hardware]        # every name checked before any output
+    profiles = [get_profile(name, cpu_peaks) for name in hardware]   # every name checked before any output
     if measured and not Path(measured).is_file():
         raise ConfigError(f"--measured {measured}: no such file (give a point's result.json, `rayvit bench "
                           "--json` output or `rayvit gpu-check`'s JSON)")

@@ -224,16 +224,9 @@ def peak_key(cfg: Config) -> str:
 
 
 def peak_flops(cfg: Config, profile: HardwareProfile) -> Optional[float]:
-    """The chip's dense peak for the precision's dtype; on CPUs a matmul rate timed here (as for MFU)."""
-    peak = profile.peak_flops(peak_key(cfg))
-    if peak is None and profile.accelerator is None:
-        import torch
-
-        from rayvit.training.hardware import measured_matmul_flops
-
-        dtype = torch.float32 if cfg.precision.mode == "fp32" else torch.bfloat16
-        peak = measured_matmul_flops("cpu", dtype, cfg.parallel.cpus_per_worker)
-    return peak
+    """The chip's dense peak for the precision's dtype; on CPUs the host's measured matmul rate (as for
+    MFU), where the profile carries one."""
+    return profile.peak_flops(peak_key(cfg))
 
 
 def compute_from_peak(cfg: Config, profile: HardwareProfile, batch: Optional[int] = None) -> ComputeRate:
@@ -248,8 +241,10 @@ def compute_from_peak(cfg: Config, profile: HardwareProfile, batch: Optional[int
                                             f"matmul efficiency {chip.spec.gemm_source})", ct)
     peak = peak_flops(cfg, profile)
     if peak is None:
-        raise ConfigError(f"hardware profile {profile.name} has no peak in rayvit.accelerators.PEAK_TFLOPS: "
-                          "give a measured single-chip rate (--measured)")
+        what = ("no matmul rate measured on this host" if profile.accelerator is None
+                else "no peak in rayvit.accelerators.PEAK_TFLOPS")
+        raise ConfigError(f"hardware profile {profile.name} has {what}: give a measured single-chip rate "
+                          "(--measured)")
     flops = vit_complexity(cfg.model).train_flops_per_image
     return ComputeRate(flops / (peak * profile.compute_efficiency),
                        f"peak {peak / 1e12:.4g} TFLOPS x efficiency {profile.compute_efficiency:g} (not measured)")

@@ -119,11 +119,15 @@ class HardwareProfile:
     # most ``bridge_chips`` chips runs over the bridge; larger ones over ``intra`` (PCIe).
     bridge: Optional[Link] = None
     bridge_chips: int = 0
+    # A host without a data-sheet peak (CPUs): the matmul rate measured on it, FLOP/s by dtype key
+    # ('fp32', 'bf16', ...), by whoever measured it (rayvit.measure.host); the projection measures nothing.
+    measured_peaks: dict = field(default_factory=dict)
 
     def peak_flops(self, dtype_key: str) -> Optional[float]:
-        """Dense peak FLOP/s for 'fp32' / 'tf32' / 'fp16' / 'bf16', from ``PEAK_TFLOPS`` (None for CPUs)."""
+        """Dense peak FLOP/s for 'fp32' / 'tf32' / 'fp16' / 'bf16', from ``PEAK_TFLOPS``; for CPUs the rate
+        measured on the host (``measured_peaks``), or None where nothing was measured."""
         if self.accelerator is None or self.accelerator not in PEAK_TFLOPS:
-            return None
+            return self.measured_peaks.get(dtype_key)
         return PEAK_TFLOPS[self.accelerator][dtype_key] * 1e12
 
     def nodes(self, chips: int) -> int:
@@ -294,13 +298,16 @@ class UnknownMemoryWarning(UserWarning):
     """A chip sold with several memory sizes was named without its memory size: the smallest is assumed."""
 
 
-def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_node: int = 2) -> HardwareProfile:
-    """A host's CPU workers (one 'chip' = one worker): shared-memory gloo links until measured.
+def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_node: int = 2,
+                peaks: Optional[dict] = None) -> HardwareProfile:
+    """A host's CPU workers (one 'chip' = one worker): shared-memory gloo links until measured; ``peaks``:
+    the host's measured matmul rates by dtype key (:func:`rayvit.measure.host.cpu_peaks`), without which
+    nothing unmeasured can be priced on it.
 
     Overlap is 0: a worker with one core runs gloo's transfer and its compute on that same core.
     The per-tensor optimizer cost is Python/dispatcher overhead on CPU (tens of microseconds).
     """
-    gloo = Link(0.7 * GB, 1e-3, "gloo on one host (measured on a 2-core host: 0.6-0.9 GB/s, ~1 ms)")
+    gloo = Link(0.7 * GB, 1e-3, "gloo on one host (docs/projection.md: measured links on CPU hosts)")
     # speed_cv 0: on CPUs the measured links carry the host's wait for the slowest rank itself; the memory
     # bandwidth is the measured copy rate (memory_efficiency 1).
     # compute_efficiency: share of a 1024^2 matmul's rate a tiny ViT's step reaches on one core (its
@@ -309,7 +316,8 @@ def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_n
     return HardwareProfile("cpu", None, memory_gib, memory_bw, chips_per_node, gloo, gloo,
                            compute_efficiency=0.3, overlap=0.0, memory_efficiency=1.0, speed_cv=0.0,
                            per_tensor_s={"loop": 60e-6, "foreach": 30e-6, "fused": 30e-6},
-                           reserved_gib=0.0, fragmentation=0.0, source="local CPU workers, gloo")
+                           reserved_gib=0.0, fragmentation=0.0, source="local CPU workers, gloo",
+                           measured_peaks=dict(peaks or {}))
 
 
 def generic_gpu_profile(name: str, memory_bytes: Optional[float] = None) -> HardwareProfile:
@@ -327,9 +335,10 @@ def generic_gpu_profile(name: str, memory_bytes: Optional[float] = None) -> Hard
                                   f"{'' if memory_bytes else ', assumed'}; links and memory bandwidth assumed)")
 
 
-def get_profile(name: str) -> HardwareProfile:
+def get_profile(name: str, cpu_peaks: Optional[dict] = None) -> HardwareProfile:
+    """The profile named ``name``; ``cpu`` is this host's workers, with ``cpu_peaks`` (its measured rates)."""
     if name == "cpu":
-        return cpu_profile()
+        return cpu_profile(peaks=cpu_peaks)
     try:
         return PROFILES[name]
     except KeyError:

@@ -64,7 +64,7 @@ def _chips_axis(axes, chips: list[int]) -> None:
 def projection_figure(points: list[Projection], path: str | os.PathLike, *, title: str,
                       caption_rows: list[Mapping] = ()) -> Path:
     """Projected per-chip TFLOPS against chips per strategy (dashed, hollow x where it would not fit)."""
-    from rayvit.record.plots import new_figure, save, strategy_colour
+    from rayvit.figures import new_figure, save, strategy_colour
 
     figure, (top, bottom) = new_figure(2, height=3.4, sharex=True)
     for label, pts in _series(points).items():
@@ -89,7 +89,7 @@ def projection_figure(points: list[Projection], path: str | os.PathLike, *, titl
 def measured_vs_projected_figure(measured: list[Mapping], projected: list[Projection],
                                  path: str | os.PathLike, *, title: str) -> Path:
     """Measured per-chip TFLOPS (dots) over projected lines, per strategy; the 25%-short band shaded."""
-    from rayvit.record.plots import new_figure, save, strategy_colour
+    from rayvit.figures import new_figure, save, strategy_colour
 
     figure, (axes,) = new_figure(1, height=4.2)
     for label, pts in _series(projected).items():

@@ -2,7 +2,7 @@
 (:func:`rayvit.worker.checkpoint.load_checkpoint` reads any strategy's back into one plain model).
 
 What each strategy writes for its model and optimizer is the strategy's business
-(:meth:`rayvit.worker.strategies.Strategy.save`): one full copy from rank 0 for replicated strategies
+(:meth:`rayvit.strategies.Strategy.save`): one full copy from rank 0 for replicated strategies
 (``state.pt``), a shard per rank for sharded ones (Ray merges the ranks' folders into one checkpoint).
 Rank 0 always writes ``meta.json`` with the step counter, the loss history, the schedule and the run's
 config, so a restarted run continues its step count and history without a gap.

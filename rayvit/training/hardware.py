@@ -136,3 +136,12 @@ def reset_peak_memory(device: torch.device) -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def default_device(cfg) -> torch.device:
+    """The device a run of ``cfg`` trains on in this process: the current CUDA device, or the CPU."""
+    if cfg.parallel.use_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError("parallel.use_gpu=true but this worker sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

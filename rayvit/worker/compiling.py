@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 from typing import Iterator, Optional
 
 import torch
@@ -113,3 +114,9 @@ def graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_overhead_s(warmup_times: list[float], timed_times: list[float]) -> float:
+    """The time warm-up steps took beyond a median timed step: what compiling cost under model.compile."""
+    steady = statistics.median(timed_times)
+    return sum(max(0.0, t - steady) for t in warmup_times)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -34,27 +33,13 @@ from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
 from rayvit.strategies import ensure_process_group, rank, strategy_class, world_size
 
 
-def default_device(cfg: Config) -> torch.device:
-    if cfg.parallel.use_gpu:
-        if not torch.cuda.is_available():
-            raise RuntimeError("parallel.use_gpu=true but this worker sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def compile_overhead_s(warmup_times: list[float], timed_times: list[float]) -> float:
-    """The time warm-up steps took beyond a median timed step: what compiling cost under model.compile."""
-    steady = statistics.median(timed_times)
-    return sum(max(0.0, t - steady) for t in warmup_times)
-
-
 class Session:
     """Everything one worker builds for ``cfg``; ``train_step()`` runs and times one optimizer step."""
 
     def __init__(self, cfg: Config, device: Optional[torch.device] = None, *,
                  dataset_shards: Optional[dict] = None) -> None:
         self.cfg = cfg
-        self.device = device or default_device(cfg)
+        self.device = device or hardware.default_device(cfg)
         # What this session changes in its process and close() puts back: the thread count, and the
         # excepthook torch.distributed wraps when a one-rank process group is made here.
         self._threads_before, self._excepthook_before = torch.get_num_threads(), sys.excepthook
@@ -255,7 +240,7 @@ class Session:
         compiling them cost (the step that compiles and any that recompile); 0.0 when not compiled."""
         if not self.cfg.model.compile or not self.step_times:
             return 0.0
-        return compile_overhead_s(self.warmup_step_times, self.step_times)
+        return compiling.compile_overhead_s(self.warmup_step_times, self.step_times)
 
     def rate_figures(self, images_per_sec_per_chip: float) -> dict:
         """TFLOPS per chip and MFU at a per-chip image rate, for this model and precision."""
@@ -268,6 +253,42 @@ class Session:
         Memory and GPU readings are gathered from every rank: the run keeps each rank's value
         (``RunResult.per_rank``) and their max / mean (:func:`metrics.across_ranks`).
         """
+        slowest, waited, stats, combined, per_rank = self._gathered()
+        # The slowest rank's total time over the window sets the pace.
+        per_chip = metrics.images_per_sec(self.cfg.train.batch_size, len(self.step_times), stats[0])
+        global_rate = per_chip * self.world_size
+        rate = self.rate_figures(per_chip)
+        figures = {
+            "images_per_sec": global_rate,
+            "images_per_sec_per_chip": per_chip,
+            "tflops_per_chip": rate["tflops_per_chip"],
+            "mfu": rate["mfu"],
+            "step_time_mean_s": self.cfg.train.batch_size / per_chip if per_chip > 0 else math.nan,
+            **metrics.step_time_percentiles(slowest),
+            "model_state_bytes_per_rank": stats[1],
+            "data_wait_fraction": sum(waited) / sum(slowest) if slowest else math.nan,
+            **combined,
+            "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
+            "epoch_time_imagenet_h": IMAGENET_TRAIN_IMAGES / global_rate / 3600,
+            "train_flops_per_image": float(self.complexity.train_flops_per_image),
+            "peak_tflops": rate["peak_tflops"],
+            "timed_steps": float(len(self.step_times)),
+            "wall_time_s": wall_time_s,
+        }
+        if self.evals and "val_accuracy" in self.evals[-1]:
+            figures["val_accuracy"] = self.evals[-1]["val_accuracy"]
+        if self.cfg.model.compile:
+            figures["compile_time_s"] = stats[2]      # the slowest rank's
+            figures["compile_graphs"] = float(compiling.graphs_compiled() - self._graphs_before)
+        return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
+                         history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
+                         restarts=self.restarts, per_rank=per_rank, step_times=slowest,
+                         data_wait_times=waited)
+
+    def _gathered(self) -> tuple[list[float], list[float], list[float], dict, dict]:
+        """Over every rank: each timed step's slowest time and longest data wait; the slowest rank's total
+        step time, model state and compile time; and each rank's own readings (peak memory, NVML, skipped
+        images), combined and per rank (:func:`metrics.across_ranks`)."""
         readings = self.sampler.stop() if self.sampler is not None else {}
         times = torch.tensor(self.step_times or [float("nan")], dtype=torch.float64)
         waits = torch.tensor(self.data_wait_times or [float("nan")], dtype=torch.float64)
@@ -283,71 +304,25 @@ class Session:
         ranks = torch.tensor([list(mine.values())], dtype=torch.float64)
         if self.world_size > 1:
             # Step times and counts are the same length on every rank; take the slowest per step.
-            times_d, stats_d = times.to(self.device), stats.to(self.device)
-            waits_d = waits.to(self.device)
-            dist.all_reduce(times_d, op=dist.ReduceOp.MAX)
-            dist.all_reduce(waits_d, op=dist.ReduceOp.MAX)
-            dist.all_reduce(stats_d, op=dist.ReduceOp.MAX)
-            times, waits, stats = times_d.cpu(), waits_d.cpu(), stats_d.cpu()
+            times, waits, stats = (self._max_over_ranks(t) for t in (times, waits, stats))
             mine_d = ranks[0].to(self.device)
             gathered = [torch.empty_like(mine_d) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine_d)
             ranks = torch.stack(gathered).cpu()
         combined, per_rank = metrics.across_ranks(dict(zip(mine, ranks.t().tolist())))
-        slowest = times.tolist() if self.step_times else []
-        waited = waits.tolist() if self.step_times else []     # each step's longest wait over ranks
-        # The slowest rank's total time over the window sets the pace.
-        per_chip = metrics.images_per_sec(self.cfg.train.batch_size, len(self.step_times), stats[0].item())
-        global_rate = per_chip * self.world_size
-        rate = self.rate_figures(per_chip)
-        final_eval = self.evals[-1] if self.evals else {}
-        figures = {
-            "images_per_sec": global_rate,
-            "images_per_sec_per_chip": per_chip,
-            "tflops_per_chip": rate["tflops_per_chip"],
-            "mfu": rate["mfu"],
-            "step_time_mean_s": self.cfg.train.batch_size / per_chip if per_chip > 0 else math.nan,
-            **metrics.step_time_percentiles(slowest),
-            "model_state_bytes_per_rank": stats[1].item(),
-            "data_wait_fraction": sum(waited) / sum(slowest) if slowest else math.nan,
-            **combined,
-            "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
-            "epoch_time_imagenet_h": IMAGENET_TRAIN_IMAGES / global_rate / 3600,
-            "train_flops_per_image": float(self.complexity.train_flops_per_image),
-            "peak_tflops": rate["peak_tflops"],
-            "timed_steps": float(len(self.step_times)),
-            "wall_time_s": wall_time_s,
-        }
-        if "val_accuracy" in final_eval:
-            figures["val_accuracy"] = final_eval["val_accuracy"]
-        if self.cfg.model.compile:
-            figures["compile_time_s"] = stats[2].item()      # the slowest rank's
-            figures["compile_graphs"] = float(compiling.graphs_compiled() - self._graphs_before)
-        return RunResult(metrics=figures, conditions=self.conditions(rate["peak_source"]),
-                         history=list(self.history), evals=list(self.evals), config=self.cfg.to_dict(),
-                         restarts=self.restarts, per_rank=per_rank, step_times=slowest,
-                         data_wait_times=waited)
+        timed = bool(self.step_times)
+        return (times.tolist() if timed else [], waits.tolist() if timed else [], stats.tolist(), combined,
+                per_rank)
+
+    def _max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        on_device = values.to(self.device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        return on_device.cpu()
 
     def conditions(self, peak_source: str) -> dict[str, Any]:
-        """What every figure of this run is stated with."""
-        m = self.cfg.model
-        conditions = {
-            "model": m.name if m.name != "custom" else f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}",
-            "image_size": m.image_size, "batch_per_chip": self.cfg.train.batch_size,
-            "precision": self.precision.describe(), "strategy": self.cfg.parallel.strategy,
-            "world_size": self.world_size, "accelerator": hardware.accelerator_name(self.device),
-            # Picks the projection's hardware profile variant (A100 40 GB or 80 GB): None on CPU.
-            "device_memory_bytes": hardware.device_memory_bytes(self.device),
-            "peak_source": peak_source, "data": self.cfg.data.name,
-            "memory_measure": hardware.memory_measure(self.device),
-            # Like for like: the dtype gradients were reduced in, and whether LayerNorm stayed fp32.
-            "reduce_dtype": hardware.dtype_name(self.strategy.reduce_dtype),
-            "layer_norm_fp32": self.precision.layer_norm_fp32 or self.precision.mode == "fp32",
-            **metrics.library_versions(),
-        }
-        if m.compile:
-            conditions["compile_cold"] = m.compile_cold
-        return conditions
+        """What every figure of this run is stated with (:func:`metrics.run_conditions`)."""
+        return metrics.run_conditions(self.cfg, self.precision, self.strategy, self.world_size, self.device,
+                                      peak_source)
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:

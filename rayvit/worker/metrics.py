@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -77,3 +77,27 @@ def library_versions() -> dict[str, str]:
         except ImportError:
             versions[f"{name}_version"] = "absent"
     return versions
+
+
+def run_conditions(cfg, precision, strategy, world_size: int, device: torch.device,
+                   peak_source: str) -> dict[str, Any]:
+    """What every figure of a run is stated with: its model, size, batch, precision, strategy, world size,
+    device, how memory was read, the dtype gradients were reduced in, and the libraries' versions."""
+    m = cfg.model
+    conditions = {
+        "model": m.name if m.name != "custom" else f"custom-d{m.hidden_dim}x{m.depth}h{m.num_heads}p{m.patch_size}",
+        "image_size": m.image_size, "batch_per_chip": cfg.train.batch_size,
+        "precision": precision.describe(), "strategy": cfg.parallel.strategy,
+        "world_size": world_size, "accelerator": hardware.accelerator_name(device),
+        # Picks the projection's hardware profile variant (A100 40 GB or 80 GB): None on CPU.
+        "device_memory_bytes": hardware.device_memory_bytes(device),
+        "peak_source": peak_source, "data": cfg.data.name,
+        "memory_measure": hardware.memory_measure(device),
+        # Like for like: the dtype gradients were reduced in, and whether LayerNorm stayed fp32.
+        "reduce_dtype": hardware.dtype_name(strategy.reduce_dtype),
+        "layer_norm_fp32": precision.layer_norm_fp32 or precision.mode == "fp32",
+        **library_versions(),
+    }
+    if m.compile:
+        conditions["compile_cold"] = m.compile_cold
+    return conditions

@@ -27,7 +27,11 @@ def _profile(plan: SearchPlan):
 
     cfg = plan.base
     if not cfg.parallel.use_gpu:
-        return cpu_profile()
+        # This host's CPU has no data sheet: its matmul rate is timed here (torch), for every dtype a trial
+        # computes in. A GPU search's dry run is analytic and imports no torch.
+        from rayvit.measure.host import cpu_peaks_for
+
+        return cpu_profile(peaks=cpu_peaks_for([plan.baseline.cfg, *(plan.trial(0, "", o).cfg for o in plan.settings)]))
     if cfg.parallel.accelerator_type:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -7,34 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 from typing import Any, Iterable, Mapping, Optional
 
 from rayvit import stats
 from rayvit.config import SearchConfig
+from rayvit.errors import BaselineFailed, SearchInterrupted  # noqa: F401 - the search raises them
 from rayvit.results import RunResult
 from rayvit.studies.outcome import Outcome, Verdict, last_line
 
 _EPS = 1e-9
-
-
-class BaselineFailed(RuntimeError):
-    """The baseline did not produce a validation accuracy, so the constraint cannot be applied."""
-
-
-class SearchInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the search: its trials were stopped and no best config was written."""
-
-    def __init__(self, message: str, signum: int = signal.SIGINT):
-        super().__init__(message)
-        self.message, self.signum = message, signum
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + int(self.signum)
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def time_to_accuracy(result: RunResult, target: float) -> Optional[float]:
