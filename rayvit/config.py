@@ -185,7 +185,8 @@ class TrainConfig:
     # Steps excluded from the throughput window (compilation, allocator and cache warm-up).
     warmup_steps: int = 5
     seed: int = 0
-    # Report metrics to Ray every N steps (each report costs ~2 s, so never per step).
+    # Report metrics to Ray every N steps (each report waits for Ray Train's health-check tick, so never
+    # per step).
     report_every: int = 10
     eval_every: int = 0
     checkpoint_every: int = 0
@@ -277,7 +278,7 @@ class SearchConfig:
     # device of the kind the trials get, train in the order of the screened objective, skip settings that
     # cannot beat the baseline or the best feasible trial by more than the screen's noise
     # (rayvit.studies.screen). screen_steps: timed steps per setting and round; screen_seconds: the most
-    # one setting's timed steps take per round (a setting 20x slower is decided by one step).
+    # one setting's timed steps take per round (a setting many times slower is decided by one step).
     screen: bool = True
     screen_steps: int = 6
     screen_seconds: float = 1.5

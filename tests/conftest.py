@@ -1,8 +1,10 @@
-"""Shared test setup: three tiers, by folder.
+"""Shared test setup: four tiers, by folder.
 
-- ``tests/unit``: no Ray and no extra processes; ``pytest -m "not slow"`` runs these alone, in under a minute.
+- ``tests/unit``: in one process, no Ray; ``pytest -m "not slow"`` runs these alone, in under a minute.
+- ``tests/system``: what needs more than one process but no Ray: a wheel built and installed into a fresh
+  venv, two-rank gloo groups. Marked ``slow`` here, by folder.
 - ``tests/ray``: real Ray instances and clusters (``ray start``, the fake autoscaler, ``ray job submit``),
-  multi-process gloo groups, an MLflow server, a browser. Marked ``slow`` here, by folder.
+  an MLflow server, a browser. Marked ``slow`` here, by folder.
 - ``tests/gpu``: what only a GPU can tell (the GPU check's cases); marked ``gpu`` and skipped without CUDA.
 
 rayvit itself chooses Ray's authentication mode when it reaches Ray (``rayvit.launch.connect``): token
@@ -22,12 +24,15 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-TIER_MARKS = {"ray": ("slow",), "gpu": ("gpu",)}
+TESTS = Path(__file__).resolve().parent
+TIER_MARKS = {"ray": ("slow",), "system": ("slow",), "gpu": ("gpu",)}
 
 
 def pytest_collection_modifyitems(config, items):
+    """Each test is marked by its tier, the folder under tests/ it lives in (subfolders included)."""
     for item in items:
-        for mark in TIER_MARKS.get(Path(str(item.fspath)).parent.name, ()):
+        tier = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
+        for mark in TIER_MARKS.get(tier, ()):
             item.add_marker(getattr(pytest.mark, mark))
 
 

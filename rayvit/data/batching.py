@@ -26,7 +26,7 @@ def uint8_normaliser(device: torch.device, mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
     def normalise(images: torch.Tensor) -> torch.Tensor:
         # uint8 x float32 promotes to float32 in the multiply itself: one float buffer, two passes (a
-        # separate conversion first made two buffers: 2.8x slower on a CPU, docs/data.md).
+        # separate conversion first made two buffers, several times slower on a CPU: docs/data.md).
         return images.to(device=device).mul(scale).add_(shift)
 
     return normalise

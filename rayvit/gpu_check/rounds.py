@@ -94,7 +94,7 @@ def check_nan_on_one_rank(device) -> str:
 
     if not (device.type == "cuda" and torch.cuda.device_count() >= 2):
         raise NotCheckable("not checkable on one GPU: needs two ranks over NCCL (two GPUs); the gloo "
-                           "version runs in tests/ray/test_rank_failures.py")
+                           "version runs in tests/system/test_rank_failures.py")
     errors = on_two_ranks(_rounds_with_a_nan_on_rank_1, backend="nccl", devices=(0, 1))
     first, second = errors
     if first != second or first[0] is not None or first[2] is not None or "on rank 1" not in (first[1] or ""):

@@ -40,7 +40,7 @@ __all__ = ["ensure_ray", "started_local", "check_cluster", "resolve_address", "c
 logger = logging.getLogger(__name__)
 
 # How long an address may take to answer. Long enough for a head that is still starting, short enough
-# that a typo is reported well within 30 s of the command starting (imports take ~5-10 s of that).
+# that a typo is reported well within 30 s of the command starting (imports take part of that).
 CONNECT_TIMEOUT_S = 10.0
 
 _AUTH_MODE = "RAY_AUTH_MODE"

@@ -63,9 +63,9 @@ def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[s
     # need new nodes wait for them before Ray Train starts, in rayvit.launch.capacity).
     env[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
     # Ray Train starts a preemption watcher for every worker group, after the workers start: its process
-    # imports Ray Train (~1 s of a core) while the group's first steps are timed (measured on a 2-core
-    # host: the first round's first point ~15% slower than its later rounds). On a local instance rayvit
-    # started there is no node a provider can drain, so it has nothing to watch; on clusters it stays.
+    # imports Ray Train while the group's first steps are timed, slowing the first round's first point
+    # (docs/measurement.md). On a local instance rayvit started there is no node a provider can drain, so
+    # it has nothing to watch; on clusters it stays.
     if os.environ.get(PREEMPTION_WATCHER_ENV) is None:
         env[PREEMPTION_WATCHER_ENV] = "0" if started_local() else None
     return env

@@ -80,8 +80,7 @@ def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: 
     Sleeping ranks use no CPU, so 'alone' really is alone; alternating rounds cancel drift. Means over
     ``steps``, not medians: throughput is a mean, and what a busy host costs is mostly the rare step a
     background process (Ray's own, the OS's) lands on, which has a spare core to run on while the others
-    sleep and takes a worker's otherwise. Medians of 4 steps read 1.00 on a 2-core host where rayvit's
-    own loop slowed by 5% (10.26 -> 10.80 ms a step with both workers training, no communication).
+    sleep and takes a worker's otherwise; medians of a few steps drop exactly those (docs/projection.md).
     """
     import torch
     import torch.distributed as dist
@@ -146,7 +145,7 @@ def worker_benchmark(config: dict[str, Any]) -> dict[str, Any]:
     sizes = config.get("sizes") or (GPU_SIZES if device.type == "cuda" else CPU_SIZES)
     # The wait read between a worker group's rounds (``host_waits``: wait curves, or single 2-ms readings
     # from older callers) covers the minutes the points were measured in; else it is read here. With
-    # curves from the rounds, the per-kind in-step means would only repeat them (1.5 s on 2 CPU cores).
+    # curves from the rounds, the per-kind in-step means would only repeat them (and take seconds).
     during = list(config.get("host_waits") or [])
     curves = [c for c in during if isinstance(c, (list, tuple))]
     flat = [float(w) for w in during if not isinstance(w, (list, tuple))]

@@ -52,7 +52,7 @@ def compute_segment(seconds: float, device):
 
     Fixed work, not a deadline, as in training: a rank descheduled mid-segment arrives late by all the
     time it lost. A loop that ran until a deadline would end on time anyway and hide most of the wait
-    (measured on a 2-core host: a third to a half of it).
+    (docs/projection.md).
     """
     import torch
     import torch.distributed as dist
@@ -83,7 +83,7 @@ def buffers(size: int, device):
     return torch.ones(numel, device=device), torch.ones(numel // n, device=device)
 
 
-def in_step(op, device, repeats: int, segment) -> float:
+def in_step_cost(op, device, repeats: int, segment) -> float:
     """Mean cost of ``op`` issued right after a compute segment, as inside a training step.
 
     The mean, not the median: step times add up, and the wait for a descheduled peer is a rare but
@@ -129,7 +129,7 @@ def time_collectives(device, sizes, repeats: int = 15, warmup: int = 2, segment_
                 op()
             aligned[kind].append([nbytes, aligned_s(op, device, repeats)])
             if segment is not None:
-                in_step[kind].append([nbytes, in_step(op, device, 2 * repeats, segment)])
+                in_step[kind].append([nbytes, in_step_cost(op, device, 2 * repeats, segment)])
     return in_step, aligned
 
 
@@ -158,7 +158,7 @@ def wait_probe(device, repeats: int = 150, segment_s: float = 2e-3) -> float:
     op = lambda: run_collective("all_gather", buf, shard, dist)  # noqa: E731
     op()
     aligned = aligned_s(op, device, 15)
-    return max(0.0, in_step(op, device, repeats, compute_segment(segment_s, device)) - aligned)
+    return max(0.0, in_step_cost(op, device, repeats, compute_segment(segment_s, device)) - aligned)
 
 
 def wait_curve(device, gaps_s=WAIT_GAPS_S, seconds_each: float = 0.3) -> list[list[float]]:

@@ -26,14 +26,14 @@
   per element; SGD: 4 x state + gradient; plus 12 per element of master-copy traffic under ``mixed``,
   3 x gradient for fp16 loss-scale checks) over achievable memory bandwidth, plus a per-tensor launch cost.
 - own overhead: what a strategy's wrapper costs per step beyond all that (FSDP2's hooks and DTensor
-  dispatch, ShardedDDP's gradient hooks: host work that no link or bandwidth figure shows; on a 2-core
-  CPU host FSDP2 at one worker is ~0.8x DDP with no communication at all). Unknown (0) unless measured:
+  dispatch, ShardedDDP's gradient hooks: host work that no link or bandwidth figure shows, and on a CPU
+  host a visible share of a step; docs/projection.md). Unknown (0) unless measured:
   inside a sweep, each strategy's own point at the smallest count anchors it
   (:func:`rayvit.projection.insweep.strategy_overheads`).
 - straggler: every synchronous step waits for the slowest of N chips. Chips of one SKU differ in
   sustained speed (``HardwareProfile.speed_cv``), so the step takes ``speed_cv x work x E[max of N]``
   longer than one chip's, E[max of N] the expected maximum of N standard normal draws (0 at one chip,
-  1.42 at 8, 2.61 at 128). On CPUs the measured wait for the slowest rank covers it.
+  1.42 at 8, 2.59 at 128). On CPUs the measured wait for the slowest rank covers it.
 """
 
 from __future__ import annotations

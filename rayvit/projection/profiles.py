@@ -54,11 +54,10 @@ class Link:
         """The wait of a collective issued ``gap_s`` of compute after the previous one.
 
         ``a + b x sqrt(gap)`` fitted through the curve (least squares; one point: that wait at every gap),
-        never decreasing with the gap, never negative. On a 2-core host the wait was 0.57, 0.72, 0.85, 1.13
-        and 1.42 ms after 0.5, 1, 2, 4 and 10 ms of compute: a rank computing alone longer is preempted more
-        often. A least-squares square root fits those five within 0.073 ms, a logarithm within 0.075. The
-        square root is the random-walk form (a rank's lateness spreads like the square root of the time it
-        computes alone) and stays finite at short gaps, where a logarithm runs to minus infinity.
+        never decreasing with the gap, never negative: a rank computing alone longer is preempted more
+        often. The square root is the random-walk form (a rank's lateness spreads like the square root of
+        the time it computes alone) and stays finite at short gaps, where a logarithm runs to minus
+        infinity; how well it fits measured waits: docs/projection.md.
         """
         if not self.wait_curve or gap_s is None:
             return 0.0

@@ -128,7 +128,7 @@ def ladder_overrides(study: Study) -> list[tuple[str, dict[str, Any]]]:
     if "baseline" not in wanted:
         raise ConfigError("sweep.rungs must include baseline: every rung is reported relative to it")
     steps = yaml.safe_load(LADDER_FILE.read_text())
-    # fp16 has no fast CPU kernels (about 15x slower than fp32 here); bf16 is the CPU's half type.
+    # fp16 has no fast CPU kernels (docs/measurement.md); bf16 is the CPU's half type.
     overrides = {} if study.run.parallel.use_gpu else {"precision.dtype": "bf16"}
     rungs = []
     for rung in LADDER_RUNGS:

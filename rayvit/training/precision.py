@@ -112,8 +112,8 @@ class Precision:
         if self.mode != "fp32" and self.half is torch.float16 and device.type == "cpu" and not _warned_cpu_fp16:
             _warned_cpu_fp16 = True
             warnings.warn(
-                "precision.dtype=fp16 on CPU: legal but very slow (no fast fp16 CPU kernels; ~15x slower "
-                "than fp32 here). Use precision.dtype=bf16 on CPUs.", UserWarning, stacklevel=2)
+                "precision.dtype=fp16 on CPU: legal but very slow (CPUs have no fast fp16 kernels: it runs "
+                "several times slower than fp32). Use precision.dtype=bf16 on CPUs.", UserWarning, stacklevel=2)
         self.scaler: Optional[LossScaler] = (
             LossScaler() if self.mode != "fp32" and self.half is torch.float16 else None)
         # rayvit itself keeps LayerNorm in fp32 only under ``mixed`` (fp32 has nothing to keep; amp leaves

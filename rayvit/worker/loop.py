@@ -166,7 +166,7 @@ class Session:
                 self.sampler.deactivate()
 
     def align_ranks(self) -> None:
-        """Wait for every rank, outside the timed steps: a report (Ray's, ~2 s, or a checkpoint) releases
+        """Wait for every rank, outside the timed steps: a report (Ray's health-check tick, or a checkpoint) releases
         ranks at different times, and without this the next timed step would absorb the difference."""
         if self.world_size > 1:
             dist.barrier()

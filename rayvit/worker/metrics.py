@@ -67,7 +67,7 @@ def across_ranks(per_rank: Mapping[str, Sequence[float]]) -> tuple[dict[str, flo
 
 def library_versions() -> dict[str, str]:
     # Plain str: torch.__version__ is a TorchVersion, whose unpickling imports torch. A result travels to
-    # the driver through the progress board's process, which would then import torch (~1.3 s of a core)
+    # the driver through the progress board's process, which would then import torch (seconds of a core)
     # while the next run of a worker group timed its steps.
     versions = {"torch_version": str(torch.__version__), "rayvit_version": rayvit.__version__}
     for name in ("ray", "fairscale"):

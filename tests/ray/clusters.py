@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 RAY = str(Path(sys.executable).with_name("ray"))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -263,3 +264,52 @@ class ReadToEnd:
         if self.proc.poll() is None:
             self.proc.kill()
         self.thread.join()
+
+
+# -- test_connect.py's unreachable-address commands, started with the tier --------------------------
+
+def scaling_command(tmp_path: Path, args: list[str], **env: str) -> subprocess.Popen:
+    run_env = clean_env(RAYVIT_HOME=str(tmp_path / "home"), **env)
+    run_env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlflow.db"
+    return subprocess.Popen([sys.executable, "experiments/scaling.py", "--set", "sweep.strategies=ddp",
+                             "--set", "sweep.worker_counts=1", *args], cwd=REPO, env=run_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+DEAD_ADDRESS = ("import time; from rayvit.launch.connect import ensure_ray, ClusterUnreachable\n"
+                 "t = time.monotonic()\n"
+                 "try:\n    ensure_ray()\nexcept ClusterUnreachable as e:\n"
+                 "    print(f'{time.monotonic() - t:.1f}|{e}')\n")
+
+
+class UnreachableRun(ReadToEnd):
+    """One unreachable-address command (``ReadToEnd``: its seconds are its own), killed after 60 s."""
+
+    def __init__(self, address: Optional[str], folder: Path, proc: subprocess.Popen):
+        super().__init__(proc, limit_s=60)
+        self.address, self.folder = address, folder
+
+
+STARTED_UNREACHABLE: dict[str, UnreachableRun] = {}
+
+
+def start_unreachable_runs(tmp_path_factory) -> dict[str, UnreachableRun]:
+    """The three unreachable-address runs, started together: each mostly waits on a connect timeout, so
+    they wait side by side, and beside whatever else runs then. ``tests/ray/conftest.py`` starts them with
+    the tier's first test (they take no CPU while they wait); each of test_connect.py's reads its own run."""
+    if not STARTED_UNREACHABLE:
+        free, dead = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"   # free: nothing listens there
+        folders = {name: tmp_path_factory.mktemp(name) for name in ("free", "dead", "dashboard")}
+        STARTED_UNREACHABLE["free"] = UnreachableRun(free, folders["free"], scaling_command(folders["free"], ["--address", free]))
+        STARTED_UNREACHABLE["dead"] = UnreachableRun(dead, folders["dead"], subprocess.Popen(
+            [sys.executable, "-c", DEAD_ADDRESS], cwd=REPO, env=clean_env(RAY_ADDRESS=dead),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        STARTED_UNREACHABLE["dashboard"] = UnreachableRun(None, folders["dashboard"],
+                                     scaling_command(folders["dashboard"], ["--address", "http://127.0.0.1:8265"]))
+    return STARTED_UNREACHABLE
+
+
+def stop_unreachable_runs() -> None:
+    for run in STARTED_UNREACHABLE.values():
+        run.stop()
+    STARTED_UNREACHABLE.clear()

@@ -1,7 +1,7 @@
 """Reaching a cluster and choosing checkpoint storage, without starting Ray.
 
 Unreachable addresses run the real CLI against ports nothing listens on (started with the tier, see
-``start_unreachable_runs``): it must exit with status 2 within 30 s, naming the address and what to
+``clusters.start_unreachable_runs``): it must exit with status 2 within 30 s, naming the address and what to
 check (Ray's own connect path retries for minutes). The storage checks run on real pyarrow filesystems
 and on ``ray.nodes()``-shaped node lists; the refusal on a real two-node cluster is in
 test_multinode.py, the auth modes in test_cluster_auth.py and test_scaling_job.py.
@@ -12,62 +12,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
 from rayvit.config import ConfigError, from_dict
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
-from clusters import ReadToEnd, clean_env, free_port
+from clusters import clean_env, start_unreachable_runs, stop_unreachable_runs
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _scaling(tmp_path: Path, args: list[str], **env: str) -> subprocess.Popen:
-    run_env = clean_env(RAYVIT_HOME=str(tmp_path / "home"), **env)
-    run_env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlflow.db"
-    return subprocess.Popen([sys.executable, "experiments/scaling.py", "--set", "sweep.strategies=ddp",
-                             "--set", "sweep.worker_counts=1", *args], cwd=REPO, env=run_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-_DEAD_ADDRESS = ("import time; from rayvit.launch.connect import ensure_ray, ClusterUnreachable\n"
-                 "t = time.monotonic()\n"
-                 "try:\n    ensure_ray()\nexcept ClusterUnreachable as e:\n"
-                 "    print(f'{time.monotonic() - t:.1f}|{e}')\n")
-
-
-class _Run(ReadToEnd):
-    """One unreachable-address command (``ReadToEnd``: its seconds are its own), killed after 60 s."""
-
-    def __init__(self, address: Optional[str], folder: Path, proc: subprocess.Popen):
-        super().__init__(proc, limit_s=60)
-        self.address, self.folder = address, folder
-
-
-_STARTED: dict[str, _Run] = {}
-
-
-def start_unreachable_runs(tmp_path_factory) -> dict[str, _Run]:
-    """The three unreachable-address runs, started together: each mostly waits on a connect timeout, so
-    they wait side by side, and beside whatever else runs then. ``tests/ray/conftest.py`` starts them with
-    the tier's first test (they take no CPU while they wait); each test below reads its own run."""
-    if not _STARTED:
-        free, dead = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"   # free: nothing listens there
-        folders = {name: tmp_path_factory.mktemp(name) for name in ("free", "dead", "dashboard")}
-        _STARTED["free"] = _Run(free, folders["free"], _scaling(folders["free"], ["--address", free]))
-        _STARTED["dead"] = _Run(dead, folders["dead"], subprocess.Popen(
-            [sys.executable, "-c", _DEAD_ADDRESS], cwd=REPO, env=clean_env(RAY_ADDRESS=dead),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        _STARTED["dashboard"] = _Run(None, folders["dashboard"],
-                                     _scaling(folders["dashboard"], ["--address", "http://127.0.0.1:8265"]))
-    return _STARTED
-
-
-def stop_unreachable_runs() -> None:
-    for run in _STARTED.values():
-        run.stop()
-    _STARTED.clear()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from rayvit.training.optim import build_optimizer, param_groups
 from rayvit.training.precision import Precision
 from rayvit.strategies import Strategy, ensure_process_group, strategy_class
 
+from shared import fairscale_fsdp_on_cpu, reference_step, unwrapped_paths
+
 CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
 CPU = torch.device("cpu")
 
@@ -149,17 +151,6 @@ def test_ddp_mixed_sends_half_gradients_in_the_reduce_dtype(monkeypatch, reduce,
 # -- FairScale FSDP: wrapping and weight decay (its forward needs CUDA; wrapping and the step do not) -----
 
 
-def _fairscale(overrides, seed=0):
-    """A FairScale FSDP strategy and its wrapped tiny ViT, built on CPU (one rank)."""
-    cfg = load_config(overrides=["parallel.strategy=fairscale_fsdp", "parallel.use_gpu=true", *overrides])
-    cls = strategy_class("fairscale_fsdp")
-    precision = Precision(cfg.precision, CPU, cls.owns_mixed_precision)
-    strategy = cls(cfg, precision, CPU)
-    torch.manual_seed(seed)
-    model, optimizer = strategy.parallelize(precision.prepare_model(build_model(cfg.model)))
-    return cfg, strategy, model, optimizer
-
-
 @pytest.fixture
 def one_rank():
     owned = ensure_process_group(CPU)
@@ -192,14 +183,14 @@ FP16_ON_CPU = pytest.mark.filterwarnings("ignore:precision.dtype=fp16 on CPU")
 def test_fairscale_fsdp_settings_per_precision(one_rank):
     from fairscale.nn import FullyShardedDataParallel as Wrapper
 
-    _, _, model, _ = _fairscale(["precision.mode=pure", "precision.dtype=fp16", "parallel.reduce_dtype=half"])
+    _, _, model, _ = fairscale_fsdp_on_cpu(["precision.mode=pure", "precision.dtype=fp16", "parallel.reduce_dtype=half"])
     block = model.blocks[0]
     assert not block.mixed_precision and block.compute_dtype == torch.float16 and block.flatten_parameters
     assert all(p.dtype == torch.float16 for p in model.parameters())
 
     # mixed at world size 1: fp32_reduce_scatter even with a half reduce dtype (no reduction happens, and
     # only that flag casts the half gradient to the fp32 shard's dtype).
-    _, _, model, _ = _fairscale(["precision.mode=mixed", "precision.dtype=fp16", "parallel.reduce_dtype=half"])
+    _, _, model, _ = fairscale_fsdp_on_cpu(["precision.mode=mixed", "precision.dtype=fp16", "parallel.reduce_dtype=half"])
     block = model.blocks[0]
     assert block.mixed_precision and block.compute_dtype == torch.float16 and block.fp32_reduce_scatter
     assert block.flatten_parameters and len(block.params) == 1           # one flat parameter, one all-gather
@@ -208,29 +199,16 @@ def test_fairscale_fsdp_settings_per_precision(one_rank):
     assert all(not n.mixed_precision and not n.flatten_parameters for n in norms)
 
 
-def _reference_step(cfg, seed, grads_seed):
-    """The step every strategy must reproduce: torch's optimizer over decay groups of the plain model."""
-    torch.manual_seed(seed)
-    model = build_model(cfg.model)
-    optimizer = build_optimizer(cfg.optim, param_groups(model, cfg.optim.weight_decay))
-    gen = torch.Generator().manual_seed(grads_seed)
-    grads = {id(p): torch.randn(p.shape, generator=gen) for p in model.parameters()}
-    for p in model.parameters():
-        p.grad = grads[id(p)].clone()
-    optimizer.step()
-    return model, grads
-
-
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
 def test_fairscale_flat_parameters_decay_exactly_like_the_unwrapped_model(one_rank, optim):
     """Flat parameters mix decayed matrices with undecayed biases, norms, position embedding and class token."""
     from rayvit.training.optim import owned_parameters
 
-    cfg, strategy, model, optimizer = _fairscale([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
+    cfg, strategy, model, optimizer = fairscale_fsdp_on_cpu([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
     assert any(type(p).__name__ == "FlatParameter" for p in model.parameters())
-    reference, grads = _reference_step(cfg, 0, 1)
+    reference, grads = reference_step(cfg, 0, 1)
     ref_modules = dict(reference.named_modules())
-    path_of = _unwrapped_paths(model)
+    path_of = unwrapped_paths(model)
     # Each wrapped parameter -> the reference tensors it holds (a flat one lists them in flattening order).
     holds = {}
     for module, name, p in owned_parameters(model):
@@ -242,13 +220,6 @@ def test_fairscale_flat_parameters_decay_exactly_like_the_unwrapped_model(one_ra
     for p, refs in holds.values():
         expected = torch.cat([r.detach().reshape(-1) for r in refs]).view_as(p)
         torch.testing.assert_close(p.detach(), expected, rtol=1e-6, atol=1e-6)
-
-
-def _unwrapped_paths(wrapped: nn.Module) -> dict[int, str]:
-    """id(module) -> its path in the unwrapped model (FairScale's wrapper levels left out)."""
-    levels = ("_fsdp_wrapped_module", "_fpw_module")
-    return {id(m): ".".join(part for part in path.split(".") if part not in levels)
-            for path, m in wrapped.named_modules()}
 
 
 def test_auto_reduce_dtype_is_fp32_under_mixed_and_half_under_pure():

@@ -17,8 +17,8 @@ from rayvit.studies.search import screen
 from rayvit.studies.plan import SearchPlan, plan_search, setting_label
 
 # Seconds each trial spends outside its timed steps (Ray Train's worker group start, NCCL set-up, data
-# pipeline warm-up, validation): measured 20-40 s for a 2-worker CPU run here; 8 GPUs loading a parquet
-# ImageNet take longer. Stated, not measured on a cluster.
+# pipeline warm-up, validation): stated assumptions, of the order a 2-worker CPU run takes
+# (docs/search.md); 8 GPUs loading a parquet ImageNet take longer.
 TRIAL_OVERHEAD_S = {"cpu": 30.0, "gpu": 180.0}
 
 

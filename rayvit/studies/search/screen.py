@@ -7,8 +7,8 @@ So, before any trial:
 1. :func:`measure` times the baseline's and every candidate's step in one process on one device of the
    kind the trials get (a Ray task with one worker's resources: one GPU on a GPU cluster, a worker's CPUs
    on CPU), synthetic data, a few steps each, in interleaved rounds (a shared machine's drift hits all
-   alike). A round stops timing a setting after ``search.screen_seconds``, so a setting 20x slower than
-   the baseline (bf16 on a CPU without native bf16) costs one step, not a trial.
+   alike). A round stops timing a setting after ``search.screen_seconds``, so a setting many times slower
+   than the baseline (bf16 on a CPU without native bf16) costs one step, not a trial.
 2. :func:`screen` turns step times into each setting's *screened objective*: the projection
    (:mod:`rayvit.projection`) carries the single-device step to the trial's worker count (communication,
    the optimizer), so screened figures are per-chip figures of the trial, and each has a 95% interval

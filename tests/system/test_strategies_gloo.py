@@ -145,13 +145,11 @@ def _fairscale_shards_after_a_step(rank: int, optim: str) -> list[tuple[torch.Te
 
     from rayvit.training.optim import owned_parameters
 
-    # The unit tier's FairScale helpers; its folder is on sys.path only when pytest collected it too.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from test_fidelity import _fairscale, _reference_step, _unwrapped_paths
+    from shared import fairscale_fsdp_on_cpu, reference_step, unwrapped_paths
 
-    cfg, strategy, model, optimizer = _fairscale([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
-    reference, grads = _reference_step(cfg, 0, 1)
-    ref_modules, path_of = dict(reference.named_modules()), _unwrapped_paths(model)
+    cfg, strategy, model, optimizer = fairscale_fsdp_on_cpu([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
+    reference, grads = reference_step(cfg, 0, 1)
+    ref_modules, path_of = dict(reference.named_modules()), unwrapped_paths(model)
     owner = {id(p): w for w in model.modules() if isinstance(w, Wrapper) for p in w.params}
     pairs = []
     for _, _, p in owned_parameters(model):

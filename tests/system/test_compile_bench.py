@@ -1,6 +1,6 @@
 """``rayvit bench --compare model.compile=false,true``: kernel fusion timed side by side, compile time apart.
 
-In tests/ray (marked slow): the compiled variant compiles, seconds with inductor's cache warm and tens of
+In tests/system (marked slow): the compiled variant compiles, seconds with inductor's cache warm and tens of
 seconds without.
 """
 

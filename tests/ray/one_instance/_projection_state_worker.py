@@ -1,6 +1,6 @@
-"""One rank of the world-size-2 model-state check in tests/ray/test_projection_distributed.py (run as a subprocess).
+"""One rank of the world-size-2 model-state check in tests/ray/one_instance/test_projection_distributed.py (run as a subprocess).
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/ray/_projection_state_worker.py
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/ray/one_instance/_projection_state_worker.py
 
 Trains each strategy x precision for two steps on a gloo process group and prints rank 0's
 ``model_state_bytes_per_rank`` (the max over ranks) per combination as JSON. ``small_bucket`` runs
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

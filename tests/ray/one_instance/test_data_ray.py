@@ -13,7 +13,7 @@ from rayvit.data import build_data, ray_datasets
 
 from shared import CPU, WHOLE_IMAGES, config, export_photos_parquet, sample_key, take
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from rayvit.strategies import fairscale_oss as oss
 
 from shared import reduce_dtype
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
 STUDY = ROOT / "experiments/configs/study_a100.yaml"
 
@@ -34,7 +34,7 @@ def _free_port() -> int:
 def test_model_state_equals_the_built_strategies_at_world_size_2():
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "PYTHONWARNINGS": "ignore"}
-    worker = [sys.executable, str(ROOT / "tests/ray/_projection_state_worker.py")]
+    worker = [sys.executable, str(ROOT / "tests/ray/one_instance/_projection_state_worker.py")]
     procs = [subprocess.Popen(worker, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
              for r in range(2)]
     outputs = [p.communicate(timeout=120)[0] for p in procs]

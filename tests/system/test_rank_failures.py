@@ -3,7 +3,7 @@ that will never come.
 
 A rank whose loss alone is not finite ends the run on both ranks, which agree and go on to the group's
 other runs; a rank that raises alone while its peer waits for it in a collective gives up on the group
-after ``train.failure_timeout_s`` (Ray then tears the group down; tests/ray/test_trainer.py shows the
+after ``train.failure_timeout_s`` (Ray then tears the group down; tests/ray/one_instance/test_trainer.py shows the
 sweep's side).
 """
 
