@@ -80,8 +80,10 @@ def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_stat
 
 def test_a_crashed_worker_resumes_from_its_checkpoint_with_continuous_history():
     common = ["train.steps=10", "train.warmup_steps=1", "train.checkpoint_every=4", "train.max_failures=1"]
+    before = ProcessSnapshot()
     clean = fit(two_workers(*common))
     crashed = fit(two_workers(*common, "train.fail_at_step=6", "train.fail_rank=1"))
+    assert before.differences() == []            # fit() left this process as it was
     assert crashed.restarts == 1 and clean.restarts == 0
     assert [h["step"] for h in crashed.history] == list(range(10))
     # Same seed, same data stream after the restart: the loss curve is the uninterrupted one.
