@@ -6,7 +6,7 @@ batches ahead in a background thread, so the step waits only when decoding falls
 ``data_wait_s``). Crops are drawn from a generator seeded by (seed, epoch, row): the same run gives the
 same crops.
 
-A corrupt image stops the run with :class:`~rayvit.data.images.CorruptImageError` naming the file, the
+A corrupt image stops the run with :class:`~rayvit.errors.CorruptImageError` naming the file, the
 row and the decoder's reason, or, with ``data.skip_corrupt=true``, is dropped: :class:`Skipped` warns
 once per image on stderr and counts it, and :class:`Rebatcher` refills the batch from the next rows.
 """

@@ -133,7 +133,7 @@ def test_photographs_as_parquet_train_through_ray_data_and_a_corrupt_image_is_na
     with pytest.raises(TrainingError) as e:
         fit(two_workers(*base, "train.steps=10"))
     message = str(e.value)
-    assert message.startswith("ddp x 2 workers failed: rayvit.data.images.CorruptImageError: cannot decode the image in ")
+    assert message.startswith("ddp x 2 workers failed: rayvit.errors.CorruptImageError: cannot decode the image in ")
     assert f"{path / 'part-00000.parquet'} row " in message and "(row group 0, index " in message
     assert "OSError: image file is truncated" in message and "\n" not in message and len(message) < 400
 
