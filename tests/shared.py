@@ -210,18 +210,22 @@ def _entry(rank: int, folder: str, state: tuple, payload: bytes, timeout_s: floa
         dist.destroy_process_group()
 
 
-def two_ranks(tmp_path, fn, *args, timeout_s: float | None = None) -> list:
+def two_ranks(tmp_path, fn, *args, timeout_s: float | None = None, join: bool = True) -> list:
     """Run ``fn(rank, *args)`` on two gloo ranks (new processes, no Ray); their return values, rank 0
     first. ``fn`` must be importable by name (a module-level function). ``timeout_s``: the process group's
-    timeout (a collective one rank never joins fails after it; default torch's 30 minutes)."""
+    timeout (a collective one rank never joins fails after it; default torch's 30 minutes).
+    ``join=False``: the two processes, started (a rank that dies does not end the other; each rank's
+    return value is in ``tmp_path / f"rank{rank}.pt"`` once it has returned)."""
     import multiprocessing
     import pickle
     import sys
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     state = (list(sys.path), os.getcwd(), dict(os.environ))
-    mp.start_processes(_entry, args=(str(tmp_path), state, pickle.dumps((fn, args)), timeout_s), nprocs=2,
-                       join=True, start_method="forkserver")
+    context = mp.start_processes(_entry, args=(str(tmp_path), state, pickle.dumps((fn, args)), timeout_s),
+                                 nprocs=2, join=join, start_method="forkserver")
+    if not join:
+        return context.processes
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -55,8 +55,10 @@ def saved_bytes_slope(session, batches: tuple[int, int] = (2, 6)) -> float:
         seen: dict[int, int] = {}
 
         def pack(t):
+            # Keyed by the storage itself, not its address: FSDP frees a block's gathered parameters after
+            # its forward, and the next block's may be allocated at the same address.
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen[storage._cdata] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), session.precision.autocast():

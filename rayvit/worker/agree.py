@@ -29,6 +29,9 @@ FINISHED_WAIT_S = 600.0
 # Store values are kept small: the end of a traceback says what failed.
 MAX_ERROR_CHARS = 6000
 _KEY_PREFIX = "rayvit/outcome"
+# What a collective raises on the ranks left when a peer's process is gone (gloo's TCP pair, NCCL's
+# async error handling): their run did not fail, their group did.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "remote process exited", "Broken pipe")
 
 
 def _world() -> tuple[int, int]:
@@ -93,6 +96,12 @@ def agree_on_outcome(error: Optional[str], timeout_s: float, run: str) -> Option
         if verdict.startswith("!"):
             return f"on rank {r}:\n{verdict[1:]}"
     return None
+
+
+def lost_a_peer(error: Optional[str]) -> bool:
+    """Whether this rank's error is a peer's disappearance (a lost worker or node) rather than its run's
+    own failure: the run is then measured again, not recorded as failed."""
+    return error is not None and any(marker in error for marker in PEER_LOST)
 
 
 def _wait_for(store: dist.Store, keys: list[str], timeout_s: float) -> list[int]:

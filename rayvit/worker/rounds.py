@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rayvit.config import Config
-from rayvit.worker.agree import GroupAbandoned, agree_on_outcome, new_series
+from rayvit.worker.agree import GroupAbandoned, agree_on_outcome, lost_a_peer, new_series
 from rayvit.worker.loop import train
 from rayvit.strategies import strategy_class
 
@@ -58,7 +58,8 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
     index, round)`` runs after every step (live progress), outside the timed window;
     ``between_rounds(round)`` after each round's last run (on every rank alike). Raises
     :class:`~rayvit.worker.agree.GroupAbandoned` on a rank whose run failed while its peers went on
-    (``on_abandon`` first).
+    (``on_abandon`` first, unless its run failed only because a peer's process is gone: that run is
+    measured again, :func:`~rayvit.worker.agree.lost_a_peer`).
     """
     prepare_process_groups(cfgs, device)
     series = new_series()
@@ -80,7 +81,7 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
             try:
                 error = agree_on_outcome(error, cfgs[index].train.failure_timeout_s, f"{series}/{r}/{index}")
             except GroupAbandoned as abandoned:
-                if on_abandon:
+                if on_abandon and not lost_a_peer(error):  # a lost peer ends the group, not this run
                     on_abandon(index, r, slot, str(abandoned))
                 raise
             if error is None:

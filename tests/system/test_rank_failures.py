@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.multiprocessing import ProcessRaisedException
 
 from rayvit.config import load_config
@@ -40,6 +41,39 @@ def _rounds_with_a_fault_on_rank_1(rank: int, mode: str, folder: str) -> tuple[l
     start = time.monotonic()
     outcomes = measure_rounds([ok, broken, ok.replace({"parallel.strategy": "fsdp"})], 2, on_abandon=abandoned)
     return outcomes, time.monotonic() - start
+
+
+def _rounds_losing_rank_1(rank: int, folder: str) -> str:
+    """Two configs in one round; rank 1's process exits in the second (as a lost worker): what rank 0 raised."""
+    from rayvit.worker.agree import GroupAbandoned
+    from rayvit.worker.rounds import measure_rounds
+
+    ok = load_config(overrides=SMALL)
+
+    def abandoned(index, r, slot, error):
+        Path(folder, f"abandoned{rank}.json").write_text(json.dumps([index, r, slot, error]))
+
+    try:
+        measure_rounds([ok, ok.replace({**FAULT, "train.fail_mode": "exit"})], 1, on_abandon=abandoned)
+    except GroupAbandoned as e:
+        return str(e)
+    return "finished"
+
+
+def test_a_rank_whose_peer_is_lost_ends_the_group_without_failing_the_run(tmp_path):
+    """Rank 1's process exits mid-run: rank 0's collective fails (gloo: connection reset by peer), rank 1
+    never answers, and rank 0 ends the group after train.failure_timeout_s, without reporting the run as
+    failed: the run did nothing wrong, its group lost a worker, so the sweep measures it again alone."""
+    from rayvit.worker.agree import lost_a_peer
+
+    ranks = two_ranks(tmp_path, _rounds_losing_rank_1, str(tmp_path), timeout_s=GROUP_TIMEOUT_S, join=False)
+    for process in ranks:
+        process.join(timeout=GROUP_TIMEOUT_S)
+    assert [p.exitcode for p in ranks] == [0, 70]
+    raised = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert raised.startswith("rank 1 did not answer within 3 s") and lost_a_peer(raised), raised
+    assert not list(tmp_path.glob("abandoned*"))
+    assert not lost_a_peer("InjectedFault: injected fault on rank 1 at step 2") and not lost_a_peer(None)
 
 
 def test_a_loss_not_finite_on_one_rank_fails_the_run_on_both_and_the_rounds_go_on(tmp_path):
