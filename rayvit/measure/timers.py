@@ -28,20 +28,25 @@ def run_collective(kind: str, buf, shard, dist) -> None:
         dist.reduce(buf, dst=0)
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def aligned_s(fn, device, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs, ranks aligned by a barrier before each."""
-    import torch
     import torch.distributed as dist
 
     times = []
     for _ in range(repeats):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -62,8 +67,7 @@ def compute_segment(seconds: float, device):
     def work(count: int) -> None:
         for _ in range(count):
             a @ a
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
 
     work(5)
     each = min(timed_plain(lambda: work(20), device) for _ in range(5)) / 20
@@ -101,10 +105,7 @@ def in_step_cost(op, device, repeats: int, segment) -> float:
         segment()
         mid = time.perf_counter()
         op()
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(device)
+        sync(device)
         costs.append(time.perf_counter() - mid)
     return statistics.fmean(costs)
 
@@ -170,10 +171,7 @@ def wait_curve(device, gaps_s=WAIT_GAPS_S, seconds_each: float = 0.3) -> list[li
 
 
 def timed_plain(fn, device) -> float:
-    import torch
-
     start = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return time.perf_counter() - start
