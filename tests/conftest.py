@@ -25,7 +25,7 @@ import pytest
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Ray Train's controller notices that its workers have finished at its next health-check tick: rayvit
 # keeps Ray's 2 s for worker groups (fewer polls while they time steps) and 0.5 s for runs that report.
-# The suite runs over a hundred short Ray Train runs, none of whose figures it asserts against a
+# The suite runs dozens of short Ray Train runs, none of whose figures it asserts against a
 # threshold that polling could move: a 0.2 s tick (the caller's value, which rayvit keeps) saves about
 # 2 s per worker group. Its drivers, CLI subprocesses and cluster nodes inherit it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")

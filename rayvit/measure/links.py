@@ -85,6 +85,8 @@ def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: 
     import torch
     import torch.distributed as dist
 
+    from rayvit.training.hardware import synchronize
+
     step = _train_probe(model_cfg, device, batch)
     for _ in range(2):
         step()
@@ -96,8 +98,7 @@ def shared_host_slowdown(device, model_cfg: Optional[dict], batch: int, rounds: 
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         return (time.perf_counter() - start) / steps
 
     ratios = []

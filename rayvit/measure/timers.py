@@ -28,25 +28,19 @@ def run_collective(kind: str, buf, shard, dist) -> None:
         dist.reduce(buf, dst=0)
 
 
-def sync(device) -> None:
-    """Wait for the device's queued work (CUDA); nothing on CPU."""
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-
-
 def aligned_s(fn, device, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs, ranks aligned by a barrier before each."""
     import torch.distributed as dist
 
+    from rayvit.training.hardware import synchronize
+
     times = []
     for _ in range(repeats):
         dist.barrier()
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -62,12 +56,14 @@ def compute_segment(seconds: float, device):
     import torch
     import torch.distributed as dist
 
+    from rayvit.training.hardware import synchronize
+
     a = torch.randn(128, 128, device=device)
 
     def work(count: int) -> None:
         for _ in range(count):
             a @ a
-        sync(device)
+        synchronize(device)
 
     work(5)
     each = min(timed_plain(lambda: work(20), device) for _ in range(5)) / 20
@@ -99,13 +95,15 @@ def in_step_cost(op, device, repeats: int, segment) -> float:
     """
     import torch.distributed as dist
 
+    from rayvit.training.hardware import synchronize
+
     costs = []
     dist.barrier()
     for _ in range(repeats):
         segment()
         mid = time.perf_counter()
         op()
-        sync(device)
+        synchronize(device)
         costs.append(time.perf_counter() - mid)
     return statistics.fmean(costs)
 
@@ -171,7 +169,9 @@ def wait_curve(device, gaps_s=WAIT_GAPS_S, seconds_each: float = 0.3) -> list[li
 
 
 def timed_plain(fn, device) -> float:
+    from rayvit.training.hardware import synchronize
+
     start = time.perf_counter()
     fn()
-    sync(device)
+    synchronize(device)
     return time.perf_counter() - start

@@ -28,18 +28,22 @@ FAULT = {"train.fail_at_step": 2, "train.fail_rank": 1, "train.failure_timeout_s
 GROUP_TIMEOUT_S = 60
 
 
+def _noting_abandon(folder: str, rank: int):
+    """An ``on_abandon`` hook that writes what this rank posted to ``abandoned<rank>.json``."""
+    def abandoned(index, r, slot, error):
+        Path(folder, f"abandoned{rank}.json").write_text(json.dumps([index, r, slot, error]))
+    return abandoned
+
+
 def _rounds_with_a_fault_on_rank_1(rank: int, mode: str, folder: str) -> tuple[list, float]:
     """Three configs in two rounds, the second failing on rank 1 only; (outcomes, seconds)."""
     from rayvit.worker.rounds import measure_rounds
 
     ok = load_config(overrides=SMALL)
     broken = ok.replace({**FAULT, "train.fail_mode": mode})
-
-    def abandoned(index, r, slot, error):
-        Path(folder, f"abandoned{rank}.json").write_text(json.dumps([index, r, slot, error]))
-
     start = time.monotonic()
-    outcomes = measure_rounds([ok, broken, ok.replace({"parallel.strategy": "fsdp"})], 2, on_abandon=abandoned)
+    outcomes = measure_rounds([ok, broken, ok.replace({"parallel.strategy": "fsdp"})], 2,
+                              on_abandon=_noting_abandon(folder, rank))
     return outcomes, time.monotonic() - start
 
 
@@ -49,12 +53,9 @@ def _rounds_losing_rank_1(rank: int, folder: str) -> str:
     from rayvit.worker.rounds import measure_rounds
 
     ok = load_config(overrides=SMALL)
-
-    def abandoned(index, r, slot, error):
-        Path(folder, f"abandoned{rank}.json").write_text(json.dumps([index, r, slot, error]))
-
     try:
-        measure_rounds([ok, ok.replace({**FAULT, "train.fail_mode": "exit"})], 1, on_abandon=abandoned)
+        measure_rounds([ok, ok.replace({**FAULT, "train.fail_mode": "exit"})], 1,
+                       on_abandon=_noting_abandon(folder, rank))
     except GroupAbandoned as e:
         return str(e)
     return "finished"
