@@ -178,6 +178,17 @@ def autoscaler_monitor_config(gcs_address: str, same_gcs: Callable[[str, str], b
     return None
 
 
+def driver_started_its_head() -> bool:
+    """Whether this process's ``ray.init()`` started the instance it is connected to (a local instance,
+    its head node this driver's), rather than attaching to a running cluster (``connect_only``). False
+    when this Ray no longer keeps the driver's node where it was checked."""
+    try:
+        from ray._private import worker as ray_worker
+    except ImportError:
+        return False
+    return bool(getattr(getattr(ray_worker, "_global_node", None), "head", False))
+
+
 def _has(module: str, *names: str) -> Callable[[], Any]:
     def check() -> Any:
         import importlib
@@ -221,6 +232,8 @@ PRIVATE_APIS: dict[str, tuple[Callable[[], Any], str]] = {
         _head_resource_named, "ray.util.state.list_nodes()[i].is_head_node"),
     "ray._private.state.state (placement-group table)": (
         _has("ray._private.state", "state"), "ray.util.state.list_placement_groups() lacks the creator actor"),
+    "ray._private.worker._global_node (the driver's node: a head it started, or connect_only)": (
+        _has("ray._private.worker", "_global_node"), "none (ray.util.state.list_nodes() does not say who started a head)"),
     "ray._private.ray_logging.global_worker_stdstream_dispatcher": (
         _has("ray._private.ray_logging", "global_worker_stdstream_dispatcher"), "ray.init(log_to_driver=...)"),
 }

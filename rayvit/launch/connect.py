@@ -123,11 +123,18 @@ def _disconnect(mode_before: Optional[str]) -> None:
 
 
 def started_local() -> bool:
-    """True while Ray runs on a local instance :func:`ensure_ray` started in this process: one node, this
-    machine, nothing a cloud provider can preempt or drain."""
+    """True while Ray runs on a local instance this process started: by :func:`ensure_ray`, or by the
+    caller's own ``ray.init()`` with no cluster to attach to (its head node is then this process's). One
+    node, this machine, nothing a cloud provider can preempt or drain. False when attached to a cluster."""
     import ray
 
-    return _started_here and ray.is_initialized()
+    if not ray.is_initialized():
+        return False
+    if _started_here:
+        return True
+    from rayvit.launch import compat
+
+    return compat.driver_started_its_head()
 
 
 def check_cluster(address: Optional[str] = None, *, timeout_s: float = CONNECT_TIMEOUT_S) -> Optional[str]:

@@ -64,8 +64,8 @@ def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[s
     env[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
     # Ray Train starts a preemption watcher for every worker group, after the workers start: its process
     # imports Ray Train while the group's first steps are timed, slowing the first round's first point
-    # (docs/measurement.md). On a local instance rayvit started there is no node a provider can drain, so
-    # it has nothing to watch; on clusters it stays.
+    # (docs/measurement.md). On a local instance this process started (rayvit's, or the caller's own
+    # ray.init()) there is no node a provider can drain, so it has nothing to watch; on clusters it stays.
     if os.environ.get(PREEMPTION_WATCHER_ENV) is None:
         env[PREEMPTION_WATCHER_ENV] = "0" if started_local() else None
     return env

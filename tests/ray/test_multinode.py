@@ -66,6 +66,7 @@ import json, os, sys, threading, time
 import ray
 from ray.util.state import list_actors
 from rayvit.config import ConfigError, from_dict
+from rayvit.launch.connect import started_local
 from rayvit.trainer import TrainingError, ensure_ray, fit
 
 spec = json.load(open(sys.argv[1]))
@@ -88,7 +89,7 @@ while sorted(filter(None, labels().values())) != ["rayvit_head", "rayvit_worker"
         sys.exit(3)
     time.sleep(0.2)
 node_labels = labels()
-record(event="nodes", nodes=node_labels)
+record(event="nodes", nodes=node_labels, started_local=started_local())
 
 def watch():
     seen = None
@@ -256,7 +257,9 @@ def test_node_loss_mid_run_recovers_from_checkpoint(cluster, tmp_path):
     try:
         driver.wait_for("checkpoint of the faulty run in launch.storage",
                         lambda: _checkpoints(shared / "faulty"), timeout=90)
-        nodes = next(e["nodes"] for e in driver.events() if e["event"] == "nodes")
+        [nodes_event] = [e for e in driver.events() if e["event"] == "nodes"]
+        nodes = nodes_event["nodes"]
+        assert nodes_event["started_local"] is False       # attached to a cluster: Ray's preemption watcher stays
         first_worker_node = next(n for n, label in nodes.items() if label == WORKER_LABEL)
         killed_at = time.time()
         cluster.kill_worker()

@@ -110,6 +110,24 @@ def test_too_little_data_for_one_batch_is_a_config_error():
         build_data(config("data.name=digits", "train.batch_size=1024"), CPU, world_size=2)
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The file read directly holds what ``sklearn.datasets.load_digits`` returns, and reading it leaves
+    scikit-learn unimported (a fresh interpreter: this one may have imported it already)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits_arrays()
+    bunch = load_digits()
+    assert images.dtype == np.uint8 and images.shape == (1797, 8, 8) and labels.dtype == np.int64
+    assert np.array_equal(images, bunch.images) and np.array_equal(labels, bunch.target)
+    code = ("import sys; from rayvit.data.digits import load_digits_arrays; load_digits_arrays(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 # --------------------------------------------------------------------------------------------------
 # parquet without Ray
 

@@ -7,7 +7,10 @@ import pytest
 import ray
 import torch
 
+from ray.util.state import list_actors
+
 from rayvit.config import load_config
+from rayvit.launch.connect import started_local
 from rayvit.results import RunResult
 from rayvit.trainer import ClusterTooSmall, TrainingError, build_trainer, check_cluster_fits, fit, load_checkpoint
 
@@ -59,6 +62,12 @@ def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_stat
         assert result.metrics["final"] and result.metrics["tflops_per_chip"] == summary["tflops_per_chip"]
         assert result.metrics["tflops_per_chip_lo"] <= result.metrics["tflops_per_chip"] <= result.metrics["tflops_per_chip_hi"]
     assert before.differences() == []            # the trainers' fit() left this process as it was
+    # This folder's instance is the caller's own ray.init() with no address, a single machine: the fits
+    # ran without Ray Train's preemption watcher, whose process would start during their first timed steps.
+    assert started_local()
+    here = ray.get_runtime_context().gcs_address          # this instance, whatever else runs on the machine
+    assert len(list_actors(here, filters=[("class_name", "=", "TrainController")], limit=1000)) >= 3
+    assert list_actors(here, filters=[("class_name", "=", "PreemptionWatcher")], limit=1000) == []
     for strategy in ("fsdp", "fairscale_oss"):
         assert params[strategy].keys() == params["ddp"].keys()
         for key, value in params["ddp"].items():
@@ -280,3 +289,4 @@ def test_a_dataset_with_the_wrong_columns_is_refused_on_the_driver_naming_what_i
     trainer = make_trainer(load_config(overrides=["parallel.num_workers=1", "data.image_column=pixels",
                                                   "data.label_column=target"]), datasets={"train": wrong})
     assert trainer.rayvit_config.data.name == "dataset"
+
