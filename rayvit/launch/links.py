@@ -5,10 +5,13 @@ sweep has not measured yet (``rayvit`` sweeps measure on a point's own workers i
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Optional
 
+from rayvit import process_state
 from rayvit.launch.connect import ensure_ray
 from rayvit.launch.storage import default_storage_path
+from rayvit.launch.trainer import apply_train_environment, train_environment
 from rayvit.measure.links import worker_benchmark
 
 
@@ -16,13 +19,21 @@ def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: i
                   model: Optional[dict] = None, batch: int = 8, address: Optional[str] = None,
                   placement_strategy: str = "PACK", **options) -> dict[str, Any]:
     """Run the microbenchmark on ``num_workers`` Ray Train workers of its own; returns the links dict
-    (rank 0's). Sweeps do not call this: they measure on a point's workers (``fit(measure_links=...)``)."""
-    import uuid
+    (rank 0's). Sweeps do not call this: they measure on a point's workers (``fit(measure_links=...)``).
+    A Ray it had to start is stopped when it returns."""
+    with process_state.kept():
+        ensure_ray(address)
+        # Ray Train's settings for a run that never reports: no preemption watcher starting while the
+        # collectives are timed, on a single local machine (rayvit.launch.trainer.train_environment).
+        apply_train_environment(train_environment(None, reports=False))
+        return _run(num_workers, use_gpu, cpus_per_worker, model, batch, placement_strategy, options)
 
+
+def _run(num_workers: int, use_gpu: bool, cpus_per_worker: int, model: Optional[dict], batch: int,
+         placement_strategy: str, options: dict) -> dict[str, Any]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    ensure_ray(address)
     start = time.perf_counter()
     trainer = TorchTrainer(
         worker_benchmark,

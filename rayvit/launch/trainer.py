@@ -48,10 +48,11 @@ HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
-def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[str]]:
+def train_environment(cfg: Optional[Config], reports: bool = True) -> dict[str, Optional[str]]:
     """Ray Train's settings that only environment variables reach, for one ``fit()``: ``{name: value}``,
     None where the variable must be unset. Ray Train reads them when its controller starts (the driver's
-    values are propagated to the controller and the workers); a value the caller set stays."""
+    values are propagated to the controller and the workers); a value the caller set stays. Without a
+    config (the links microbenchmark's own workers), Ray's worker start timeout stays as it is."""
     env: dict[str, Optional[str]] = {}
     # Each ray.train.report() waits for the controller's health-check tick (2 s by default): a shorter
     # tick makes reports cheap. A worker group measuring rounds never reports, and keeps Ray's 2 s, so
@@ -61,7 +62,8 @@ def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[s
     # How long a placed worker group may take to start: launch.worker_start_timeout_s, else the variable,
     # else 30 s (Ray's 60 s default is long for a group that cannot start on a fixed cluster; points that
     # need new nodes wait for them before Ray Train starts, in rayvit.launch.capacity).
-    env[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
+    if cfg is not None:
+        env[capacity.WORKER_START_TIMEOUT_ENV] = f"{capacity.worker_start_timeout_s(cfg):g}"
     # Ray Train starts a preemption watcher for every worker group, after the workers start: its process
     # imports Ray Train while the group's first steps are timed, slowing the first round's first point
     # (docs/measurement.md). On a local instance this process started (rayvit's, or the caller's own
@@ -71,7 +73,9 @@ def train_environment(cfg: Config, reports: bool = True) -> dict[str, Optional[s
     return env
 
 
-def _apply(env: dict[str, Optional[str]]) -> None:
+def apply_train_environment(env: dict[str, Optional[str]]) -> None:
+    """Set (or unset, for None) :func:`train_environment`'s variables; inside :func:`process_state.kept`,
+    which puts them back when the entry point returns."""
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
@@ -204,7 +208,7 @@ class RayvitTrainer(TorchTrainer):
             check_cluster_fits(cfgs)
             # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
             check_storage(cfgs, storage_given=self._storage_given)
-            _apply(train_environment(self.rayvit_config, reports=self._reports))
+            apply_train_environment(train_environment(self.rayvit_config, reports=self._reports))
             return super().fit()
 
 
