@@ -133,6 +133,10 @@ class LocalCluster(Cluster):
         # test needs the run to outlast the kill.
         env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         env.pop("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", None)
+        # A killed node is declared dead after 3 failed health checks 1 s apart (Ray's default: 5 checks
+        # 3 s apart): the node-loss tests wait for that. A live but busy node is not: each check still
+        # gets Ray's 10 s to answer, and a dead raylet refuses the connection at once.
+        env.update(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
         super().__init__(logs, env, prefix="rvmn-")
         self.start_head(num_cpus=1, resources=f'{{"{HEAD_LABEL}": 1}}')
         self.worker_starts = 0
