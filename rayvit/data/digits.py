@@ -19,8 +19,8 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """All 1797 digits: images uint8 (N, 8, 8) in 0..16 and labels int64 (N,).
 
     Read from the file scikit-learn ships them in (what ``sklearn.datasets.load_digits`` reads: one row per
-    image, 64 pixels then the label), without importing scikit-learn: its import (SciPy's included) took
-    about a second of each training worker's start on a 2-core Xeon, the file 6 ms."""
+    image, 64 pixels then the label), without importing scikit-learn, whose import (SciPy's included) would
+    otherwise be part of every training worker's start (benchmarks/results/2026-12-05-xeon-avx512-suite-time.md)."""
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")
