@@ -289,4 +289,3 @@ def test_a_dataset_with_the_wrong_columns_is_refused_on_the_driver_naming_what_i
     trainer = make_trainer(load_config(overrides=["parallel.num_workers=1", "data.image_column=pixels",
                                                   "data.label_column=target"]), datasets={"train": wrong})
     assert trainer.rayvit_config.data.name == "dataset"
-
