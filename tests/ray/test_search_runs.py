@@ -49,6 +49,14 @@ def local_ray(tmp_path_factory):
             os.environ[key] = value
 
 
+def _actors(class_name):
+    """Ids of every actor of ``class_name`` this module's instance has had, live or dead, from its GCS (the
+    state API needs the dashboard, which this instance runs without)."""
+    from ray._private.state import actors
+
+    return sorted(k for k, a in actors().items() if a["ActorClassName"] == class_name)
+
+
 def search_cfg(**overrides):
     return load_study(SEARCH_CPU, {**QUICK, **overrides})
 
@@ -225,9 +233,13 @@ def test_asha_stopped_trials_release_their_workers(local_ray):
                         "search.screen": False,
                         "search.asha_grace_steps": 10, "search.asha_reduction_factor": 5,
                         "search.max_accuracy_drop": 1.0, "search.name": "asha"})
+    watchers_before = _actors("PreemptionWatcher")
     before = ProcessSnapshot()
     report = run_search(cfg, out=lambda line: None)
     assert before.differences() == []            # Tune's and rayvit's settings were the search's alone
+    # This driver's instance is its own ray.init(): the trials' runs started no preemption watcher, as the
+    # driver's own fits do not (Tune hands the driver's Ray Train variables to its trial processes).
+    assert _actors("TrainController") and _actors("PreemptionWatcher") == watchers_before
     by_name = {o.point.setting["optim.name"]: o for o in report.outcomes}
     assert by_name["sgd"].status == "stopped", by_name["sgd"].verdict.reason
     assert by_name["sgd"].verdict.reason.startswith("stopped early by ASHA at step")
