@@ -314,7 +314,7 @@ def test_node_loss_without_a_replacement_fails_after_start_timeout(cluster, tmp_
     """If the lost node never comes back, the new worker group cannot be placed (SPREAD, 1 CPU per
     node): the run fails once ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` has passed, never hangs."""
     cluster.ensure_worker()
-    timeout_s = 10
+    timeout_s = 5          # no node can take the lost worker back: the run waits this long, then fails
     shared = tmp_path / "shared"
     driver = cluster.driver("lost", [{"name": "lost", "home": str(tmp_path / "lost"),
                                       "overrides": RUN + [f"launch.storage={shared}"]}],
