@@ -113,9 +113,6 @@ def test_too_little_data_for_one_batch_is_a_config_error():
 def test_digits_are_scikit_learns_read_without_importing_it():
     """The file read directly holds what ``sklearn.datasets.load_digits`` returns, and reading it leaves
     scikit-learn unimported (a fresh interpreter: this one may have imported it already)."""
-    import subprocess
-    import sys
-
     from sklearn.datasets import load_digits
 
     images, labels = load_digits_arrays()
