@@ -85,7 +85,8 @@ def header(cfg: Config, profile: HardwareProfile, rate_source: str) -> list[str]
              f"compute: {rate_source}",
              f"links: intra-node busbw {profile.intra.busbw / 1e9:.0f} GB/s ({profile.intra.source}){bridge}, "
              f"{profile.chips_per_node} chips/node, inter-node busbw {profile.inter.busbw / 1e9:.0f} GB/s per node; "
-             f"overlap {profile.overlap:g}; chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
+             f"overlap {profile.overlap:g} (compute beside a collective {profile.overlap_slowdown:.1%} slower); "
+             f"chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
     if profile.accelerator in NO_BF16_TENSOR_CORES and p.mode != "fp32" and p.dtype == "bf16":
         lines.append(f"warning: {profile.accelerator} has no bf16 tensor cores: bf16 runs at its fp32 rate "
                      f"({profile.peak_flops('bf16') / 1e12:.4g} TFLOPS); use precision.dtype=fp16 there")

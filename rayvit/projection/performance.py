@@ -21,7 +21,10 @@
   strategy's own host path per message where measured (FSDP2's copy-in and copy-out at more than one rank:
   ``HardwareProfile.collective_path_s``). A fraction ``overlap`` of forward (backward) compute can hide
   messages issued during it; the first gather of each phase and the last reduction cannot hide, nor can
-  anything after backward (OSS's broadcasts).
+  anything after backward (OSS's broadcasts). What hides still costs: the compute beside a collective runs
+  ``overlap_slowdown`` slower (the collective's kernels hold SMs and memory bandwidth), so ``hidden``
+  seconds of collectives add ``hidden x s / (1 + s)`` (:func:`contention_s`); it grows with N as the
+  collectives' time does.
 - optimizer: bytes the update reads and writes on this rank's elements (Adam: 6 x state + gradient bytes
   per element; SGD: 4 x state + gradient; plus 12 per element of master-copy traffic under ``mixed``,
   3 x gradient for fp16 loss-scale checks) over achievable memory bandwidth, plus a per-tensor launch cost.
@@ -195,8 +198,16 @@ def exposed_communication(messages: list[comms.Message], n: int, profile: Hardwa
         if kinds[0] == "all_gather":                               # the first gather has nothing to hide in
             fixed += times[0]
         hideable = sum(times) - fixed
-        exposed += fixed + max(0.0, hideable - profile.overlap * hide)
+        hidden = min(hideable, profile.overlap * hide)
+        exposed += fixed + (hideable - hidden) + contention_s(hidden, profile)
     return total, exposed
+
+
+def contention_s(hidden_s: float, profile: HardwareProfile) -> float:
+    """What ``hidden_s`` seconds of collectives running beside compute cost the step: over that time the
+    compute gets through ``1 / (1 + overlap_slowdown)`` of what it would alone."""
+    s = profile.overlap_slowdown
+    return hidden_s * s / (1.0 + s)
 
 
 def optimizer_elements(cfg: Config, n: int) -> tuple[int, int]:
@@ -372,5 +383,5 @@ def add_ratios(points: list[Projection]) -> None:
 
 
 __all__ = ["ComputeRate", "Projection", "project", "project_grid", "compute_from_peak", "compute_from_measured",
-           "optimizer_time", "exposed_communication", "message_time", "step_gap", "expected_max", "straggler_s",
-           "recompute_fraction"]
+           "optimizer_time", "exposed_communication", "contention_s", "message_time", "step_gap", "expected_max",
+           "straggler_s", "recompute_fraction"]

@@ -84,6 +84,11 @@ class HardwareProfile:
     # Fraction of forward/backward compute time that can hide communication issued during it
     # (separate NCCL streams on GPUs; 0 where the collective and the compute share one core).
     overlap: float = 0.9
+    # Compute running beside a collective runs slower: the collective's kernels hold SMs (each NCCL
+    # channel is a CTA on an SM of its own) and memory bandwidth. Measured: 18.9% slower on average, up to
+    # 40%, against the same compute alone (A100, H100, MI250, MI210; "Characterizing Compute-Communication
+    # Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114). 0 where nothing overlaps.
+    overlap_slowdown: float = 0.189
     # Fraction of ``memory_bw`` streaming kernels reach (elementwise ops, the optimizer): copy benchmarks
     # reach ~90% of an HBM data sheet's figure; eager PyTorch's elementwise kernels less. 0.8 assumed.
     memory_efficiency: float = 0.8
@@ -313,7 +318,8 @@ def cpu_profile(memory_gib: float = 8.0, memory_bw: float = 10 * GB, chips_per_n
     # matmuls are small and its elementwise work uncounted); 0.3 is assumed, used only when no
     # single-chip rate was measured.
     return HardwareProfile("cpu", None, memory_gib, memory_bw, chips_per_node, gloo, gloo,
-                           compute_efficiency=0.3, overlap=0.0, memory_efficiency=1.0, speed_cv=0.0,
+                           compute_efficiency=0.3, overlap=0.0, overlap_slowdown=0.0, memory_efficiency=1.0,
+                           speed_cv=0.0,
                            per_tensor_s={"loop": 60e-6, "foreach": 30e-6, "fused": 30e-6},
                            reserved_gib=0.0, fragmentation=0.0, source="local CPU workers, gloo",
                            measured_peaks=dict(peaks or {}))

@@ -4,6 +4,7 @@ gloo ranks and at large N."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 from rayvit.config import load_config
 from rayvit.projection import comms, nccl, roofline
 from rayvit.strategies.costs import chunk_rows
-from rayvit.projection.performance import expected_max, project, project_grid
-from rayvit.projection.profiles import get_profile
+from rayvit.projection.performance import (contention_s, expected_max, exposed_communication, message_time,
+                                          project, project_grid)
+from rayvit.projection.profiles import cpu_profile, get_profile
 from rayvit.strategies.shapes import vit_tensors
 
 from shared import two_ranks
@@ -130,6 +132,31 @@ def test_scaling_loses_what_the_slowest_chip_and_the_network_cost():
     lag = h100.speed_cv * (expected_max(128) - expected_max(8))
     assert 1 - eff == pytest.approx(lag, abs=0.03) and eff < 1 - 0.8 * lag
     assert points[-1].straggler_s > points[0].straggler_s > 0
+
+
+def test_collectives_hidden_behind_compute_still_slow_it_and_more_so_at_scale():
+    """A collective that hides behind backward still costs: the compute beside it runs
+    ``overlap_slowdown`` slower, so hidden seconds cost s / (1 + s) of themselves. At 8 -> 128 H100s the
+    all-reduce takes longer (more hops, more nodes), and so does what it costs the compute beside it;
+    on CPUs nothing overlaps and nothing is charged."""
+    cfg = load_config(STUDY, ["precision.dtype=bf16"])
+    h100 = get_profile("h100-sxm")
+    s = h100.overlap_slowdown
+    assert s == pytest.approx(0.189) and contention_s(1.0, h100) == pytest.approx(s / (1 + s))
+    for n in (8, 128):
+        msgs = comms.step_messages(cfg, n)
+        backward = [message_time(m, n, h100) for m in msgs if m.phase == "backward"]
+        hidden = sum(backward[:-1])                    # the last reduction waits for all, the rest hides
+        roomy = 100 * sum(backward)                    # backward compute long enough to hide them all
+        total, exposed = exposed_communication(msgs, n, h100, 0.0, roomy)
+        assert total == pytest.approx(sum(message_time(m, n, h100) for m in msgs))
+        assert exposed == pytest.approx(backward[-1] + hidden * s / (1 + s))
+    points = project_grid(cfg, [8, 128], [cfg], h100)
+    without = project_grid(cfg, [8, 128], [cfg], dataclasses.replace(h100, overlap_slowdown=0.0))
+    extra = [a.step_s - b.step_s for a, b in zip(points, without)]
+    assert 0 < extra[0] < extra[1]
+    assert points[-1].scaling_efficiency < without[-1].scaling_efficiency
+    assert cpu_profile().overlap_slowdown == 0.0 and cpu_profile().overlap == 0.0
 
 
 def test_fsdp2_padding_follows_its_chunking_rule_at_large_n():
