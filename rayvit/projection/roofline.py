@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, NO_BF16_TENSOR_CORES, ChipSpec
 from rayvit.config import Config
@@ -321,16 +321,18 @@ def _conv_stem_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
     return ops + linear_ops(chip, "stem 1x1", batch * size * size, c_in, m.hidden_dim, c)
 
 
-def step_compute(cfg: Config, chip: Chip, batch: int) -> ComputeTime:
-    """Forward + backward of one training step of ``cfg`` at ``batch`` images on ``chip``."""
+def step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op] = ()) -> ComputeTime:
+    """Forward + backward of one training step of ``cfg`` at ``batch`` images on ``chip``; ``extra_ops``:
+    operations a model other than rayvit's ViT runs besides (a published run's heads), issued and timed
+    like the rest."""
     kernel = attention_kernel(cfg, chip)
     block = block_ops(chip, cfg, batch, kernel)
     depth = cfg.model.depth
     ops = [Op(o.name, o.kind, o.phase, o.flops * depth, o.bytes * depth, o.seconds * depth, o.kernels * depth)
-           for o in block] + outer_ops(chip, cfg, batch)
+           for o in block] + outer_ops(chip, cfg, batch) + list(extra_ops)
     block_forward = sum(o.seconds for o in block if o.phase == "forward")
     recompute = len(checkpointed_blocks(cfg.model)) * block_forward
-    kernels = depth * block_kernels(cfg, cfg.model.compile) + 30
+    kernels = depth * block_kernels(cfg, cfg.model.compile) + 30 + sum(o.kernels for o in extra_ops)
     notes = []
     if not chip.half and cfg.precision.mode != "fp32":
         notes.append(f"{chip.spec.name} has no {cfg.precision.dtype} tensor cores: its matmuls run at the "
