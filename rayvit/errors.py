@@ -64,6 +64,17 @@ class GroupAbandoned(RuntimeError):
     collective): the worker group cannot go on, and ends."""
 
 
+class GroupOutOfStep(GroupAbandoned):
+    """Every rank reached the verdict on a run, but they had issued different numbers of collectives on a
+    process group (a rank that ran ahead of its peers, then failed): the next run would pair collectives
+    that do not match, so the worker group ends on every rank. ``verdict``: the run's agreed outcome (None:
+    it finished on every rank; else the first failing rank's error)."""
+
+    def __init__(self, message: str, verdict: "str | None") -> None:
+        super().__init__(message)
+        self.verdict = verdict
+
+
 class CompareFailed(RuntimeError):
     """A config of a comparison failed in one of its rounds; the message holds its error."""
 

@@ -37,7 +37,9 @@ fail here is never reported as passed):
                reshard_after_forward, with and without a validation split (an evaluation's forward)
   rounds       ddp, fairscale_fsdp and fsdp in one group's rounds: free device memory after each run the
                same in round 2 as in round 1 (FairScale's process groups made before round 1); a NaN loss
-               on one of two ranks (NCCL, two GPUs) ends that run on both, and the rounds go on
+               on one of two ranks (NCCL, two GPUs) ends that run on both, and the rounds go on; NCCL's
+               count of issued collectives (what ranks compare after each run) grows as they are issued;
+               a run after which one of two ranks (two GPUs) issued one collective more ends the group
   (--compile)  two compiled runs in one process: both compile the same graphs from empty caches
 Then the ladder (rayvit.studies.plan.plan_ladder) at world size 1: baseline (DDP, amp or fp32, token
 classifier, batch-first, loop AdamW, 224 px) -> +mixed precision -> +FSDP -> +MTA optimizer ->
@@ -71,8 +73,8 @@ from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check
 from rayvit.gpu_check.cases import one_line  # noqa: E402
 from rayvit.gpu_check.decode import check_gpu_decode  # noqa: E402,F401
 from rayvit.gpu_check.ladder import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
-from rayvit.gpu_check.rounds import (check_cold_compile, check_group_memory, check_nan_on_one_rank,  # noqa: E402,F401
-                                     check_state_after_evaluation)
+from rayvit.gpu_check.rounds import (check_cold_compile, check_collective_counts, check_group_memory,  # noqa: E402,F401
+                                     check_nan_on_one_rank, check_out_of_step, check_state_after_evaluation)
 
 
 def parse_args(argv: Optional[list[str]] = None, prog: str = "rayvit gpu-check") -> argparse.Namespace:
@@ -182,6 +184,8 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
                        partial(check_state_after_evaluation, device, strategy, mode, dtype)))
     checks.append(("free memory per round (fairscale_fsdp in a group)", partial(check_group_memory, device)))
     checks.append(("nan on one rank (2 GPUs)", partial(check_nan_on_one_rank, device)))
+    checks.append(("collective counts (nccl, 1 rank)", partial(check_collective_counts, device)))
+    checks.append(("out of step on one rank (2 GPUs)", partial(check_out_of_step, device)))
     if compile_:
         for strategy, mode in (("ddp", "amp"), ("fsdp", "mixed")):
             checks.append((f"compile {strategy} {mode}-bf16", partial(

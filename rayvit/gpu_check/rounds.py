@@ -1,6 +1,6 @@
 """The GPU check's cases about a worker group's rounds: model state per rank after an evaluation, free
-memory round after round with FairScale FSDP in the group, a NaN loss on one of two ranks, and every
-compiled run compiling cold (see :mod:`rayvit.gpu_check`)."""
+memory round after round with FairScale FSDP in the group, a NaN loss on one of two ranks, the collective
+counts that tell ranks out of step, and every compiled run compiling cold (see :mod:`rayvit.gpu_check`)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,74 @@ def check_nan_on_one_rank(device) -> str:
     if first != second or first[0] is not None or first[2] is not None or "on rank 1" not in (first[1] or ""):
         raise RuntimeError(f"the ranks did not agree on the failing run alone: {errors}")
     return "2 ranks (NCCL): " + first[1].strip().splitlines()[-1]
+
+
+def check_collective_counts(device) -> str:
+    """What :func:`rayvit.worker.agree.collective_counts` reads on this backend (NCCL on CUDA): a one-rank
+    group's count grows by one per collective when the host issues it, before the device has run it, so a
+    rank that issued a collective its peers never join is seen to be ahead of them."""
+    import torch
+    import torch.distributed as dist
+
+    from rayvit.worker.agree import collective_counts
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
+    try:
+        tensor = torch.ones(1 << 20, device=device)
+        before = collective_counts()
+        works = [dist.all_reduce(tensor, async_op=True) for _ in range(3)]
+        issued = collective_counts()
+        for work in works:
+            work.wait()
+        after = collective_counts()
+    finally:
+        dist.destroy_process_group()
+    facts = f"{backend}: {before} before, {issued} with 3 all-reduces issued, {after} once they completed"
+    if not before or any(issued[name] != before[name] + 3 or after[name] != issued[name] for name in before):
+        raise RuntimeError(f"the collective count does not grow by one per issued collective: {facts}")
+    return facts
+
+
+def _rounds_with_rank_1_ahead(device) -> str:
+    """Three configs in one round; in the first rank 1 issues one all-reduce rank 0 never joins and both raise."""
+    import torch
+    import torch.distributed as dist
+
+    from rayvit.worker.agree import GroupOutOfStep
+    from rayvit.worker.rounds import measure_rounds
+
+    def fail_first(session, index, r) -> None:
+        if index == 0 and session.step == 2:
+            if dist.get_rank() == 1:
+                dist.all_reduce(torch.zeros(1, device=device), async_op=True)
+            raise RuntimeError(f"the first config fails on rank {dist.get_rank()}")
+
+    ok = small_config({"parallel.num_workers": 2, "precision.mode": "amp", "precision.dtype": "bf16",
+                       "train.failure_timeout_s": 10}, steps=4)
+    try:
+        measure_rounds([ok, ok, ok.replace({"parallel.strategy": "fsdp"})], 1, device=device, on_step=fail_first)
+    except GroupOutOfStep as e:
+        return str(e).splitlines()[0]
+    return "measured every config"
+
+
+def check_out_of_step(device) -> str:
+    """Both ranks fail a run, rank 1 one collective ahead (as a host that ran ahead under NCCL): over NCCL
+    both see it from their collective counts and end the group at once, instead of the next run meeting
+    the stale all-reduce."""
+    import torch
+
+    if not (device.type == "cuda" and torch.cuda.device_count() >= 2):
+        raise NotCheckable("not checkable on one GPU: needs two ranks over NCCL (two GPUs); the gloo "
+                           "version runs in tests/system/test_rank_failures.py")
+    lines = on_two_ranks(_rounds_with_rank_1_ahead, backend="nccl", devices=(0, 1))
+    if not all("out of step" in line for line in lines):
+        raise RuntimeError(f"the ranks did not end the group as out of step: {lines}")
+    return "2 ranks (NCCL): " + lines[0]
 
 
 def check_cold_compile(device) -> str:

@@ -10,18 +10,25 @@ every rank waits for the process group's timeout (Ray Train sets 30 minutes). So
   :func:`agree_on_outcome` posts this rank's verdict and waits for the others'. A rank that failed
   waits a short while; peers that do not answer by then are waiting for it in a collective, and it
   raises :class:`GroupAbandoned`, which ends the worker group (Ray Train tears it down) so that the
-  sweep measures what is left in groups of its own.
+  sweep measures what is left in groups of its own;
+- ranks that all answer may still have issued different numbers of collectives (under NCCL a rank's
+  host runs ahead of its peers: it can issue the next all-gather, then fail): each posts its count per
+  process group with its verdict (:func:`collective_counts`), and where they differ every rank raises
+  :class:`GroupOutOfStep`, ending the group the same way, since the next run's first collective would
+  meet the stale one.
 """
 
 from __future__ import annotations
 
-from rayvit.errors import GroupAbandoned
+import json
 import math
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from rayvit.errors import GroupAbandoned, GroupOutOfStep
 
 # A rank whose run finished has passed every collective of it, so its peers are on their way (closing
 # the run, collecting garbage) or failed after the last collective and already posted: it may wait long.
@@ -66,6 +73,26 @@ def new_series() -> str:
     return str(dist.distributed_c10d._get_default_store().add(f"{_KEY_PREFIX}/series/{rank}", 1))
 
 
+def collective_counts() -> dict[str, int]:
+    """How many collectives this rank has issued on each process group it belongs to, by group name (the
+    same on every rank): torch's sequence number of the group. gloo and NCCL both count a collective when
+    the host issues it, not when it completes (an async one a peer never joins counts at once); gloo
+    counts point-to-point sends and receives too, NCCL apart. A group whose backend keeps no count is left
+    out. (Read in torch 2.13: ``ProcessGroupGloo::getSequenceNumberForGroup`` returns ``seq_``, which every
+    collective and send/receive takes as it is enqueued; ``ProcessGroupNCCL``'s returns ``seqCollective_``,
+    advanced as a collective or coalesced group is launched; ``_world.pg_map`` holds the groups this rank
+    belongs to.)"""
+    from torch.distributed.distributed_c10d import _world
+
+    counts = {}
+    for group in list(_world.pg_map):
+        try:
+            counts[_world.pg_names[group]] = int(group._get_sequence_number_for_group())
+        except (RuntimeError, AttributeError, KeyError):
+            continue
+    return counts
+
+
 def agree_on_outcome(error: Optional[str], timeout_s: float, run: str) -> Optional[str]:
     """Every rank's verdict on the run just ended: None when it finished on every rank, else the first
     failing rank's error, the same text on every rank.
@@ -73,15 +100,16 @@ def agree_on_outcome(error: Optional[str], timeout_s: float, run: str) -> Option
     ``error`` is this rank's traceback (None: it finished); ``run`` names the run alike on every rank
     (its :func:`new_series` and place). A rank that failed waits ``timeout_s`` for its peers' verdicts,
     a rank that finished up to :data:`FINISHED_WAIT_S`; when some have not answered by then it raises
-    :class:`GroupAbandoned` (with its own error) instead of entering the next run.
+    :class:`GroupAbandoned` (with its own error) instead of entering the next run. When all answered but
+    their :func:`collective_counts` differ, every rank raises :class:`GroupOutOfStep` with the verdict.
     """
     rank, size = _world()
     if size == 1:
         return error
     store = dist.distributed_c10d._get_default_store()
     keys = [f"{_KEY_PREFIX}/{run}/{r}" for r in range(size)]
-    # "-": finished; "!" and the traceback: failed.
-    store.set(keys[rank], ("!" + error[-MAX_ERROR_CHARS:]) if error else "-")
+    posted = {"error": error[-MAX_ERROR_CHARS:] if error else None, "collectives": collective_counts()}
+    store.set(keys[rank], json.dumps(posted))
     wait_s = timeout_s if error else max(timeout_s, FINISHED_WAIT_S)
     missing = _wait_for(store, keys, wait_s)
     if missing:
@@ -91,11 +119,28 @@ def agree_on_outcome(error: Optional[str], timeout_s: float, run: str) -> Option
             + (" (it is waiting for this rank in a collective): the worker group ends here so that "
                f"the sweep measures what is left (train.failure_timeout_s={timeout_s:g})" if error else "")
             + (f"; the run failed on rank {rank}:\n{error[-MAX_ERROR_CHARS:]}" if error else ""))
-    for r, key in enumerate(keys):
-        verdict = store.get(key).decode()
-        if verdict.startswith("!"):
-            return f"on rank {r}:\n{verdict[1:]}"
-    return None
+    answers = [json.loads(store.get(key).decode()) for key in keys]
+    verdict = next((f"on rank {r}:\n{a['error']}" for r, a in enumerate(answers) if a["error"] is not None), None)
+    apart = out_of_step([a["collectives"] for a in answers])
+    if apart:
+        raise GroupOutOfStep(
+            f"the ranks' collectives are out of step after the run ({apart}): the next run's collectives "
+            "would meet a stale one, so the worker group ends here and the sweep measures what is left in "
+            "groups of their own" + (f"; the run failed {verdict}" if verdict else ""), verdict)
+    return verdict
+
+
+def out_of_step(counts: list[dict[str, int]]) -> str:
+    """Where ranks' :func:`collective_counts` (one dict per rank) differ, e.g. ``process group '0': rank 0
+    issued 33 collectives, rank 1 34``; empty when every group's members agree."""
+    apart = []
+    for name in dict.fromkeys(n for c in counts for n in c):
+        issued = {r: c[name] for r, c in enumerate(counts) if name in c}
+        if len(set(issued.values())) > 1:
+            (first, n), *rest = issued.items()
+            apart.append(f"process group {name!r}: rank {first} issued {n} collectives, "
+                         + ", ".join(f"rank {r} {m}" for r, m in rest))
+    return "; ".join(apart)
 
 
 def lost_a_peer(error: Optional[str]) -> bool:

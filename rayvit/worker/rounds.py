@@ -12,8 +12,10 @@ A run that raises in its round (an OOM, an unsupported setting, a NaN loss) is r
 its error, on every rank alike, and left out of later rounds; the others go on. Ranks agree on that
 without a collective (:mod:`rayvit.worker.agree`): a run that fails on some ranks only leaves the others
 waiting for them in a collective, and then the failing rank ends the worker group after
-``train.failure_timeout_s`` (:class:`~rayvit.worker.agree.GroupAbandoned`) instead of hanging it; the
-sweep measures the group's remaining configs in groups of their own.
+``train.failure_timeout_s`` (:class:`~rayvit.worker.agree.GroupAbandoned`) instead of hanging it; a run
+after which the ranks had issued different numbers of collectives ends it on every rank at once
+(:class:`~rayvit.worker.agree.GroupOutOfStep`). The sweep measures the group's remaining configs in groups
+of their own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rayvit.config import Config
-from rayvit.worker.agree import GroupAbandoned, agree_on_outcome, lost_a_peer, new_series
+from rayvit.worker.agree import GroupAbandoned, GroupOutOfStep, agree_on_outcome, lost_a_peer, new_series
 from rayvit.worker.loop import train
 from rayvit.strategies import strategy_class
 
@@ -59,7 +61,9 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
     ``between_rounds(round)`` after each round's last run (on every rank alike). Raises
     :class:`~rayvit.worker.agree.GroupAbandoned` on a rank whose run failed while its peers went on
     (``on_abandon`` first, unless its run failed only because a peer's process is gone: that run is
-    measured again, :func:`~rayvit.worker.agree.lost_a_peer`).
+    measured again, :func:`~rayvit.worker.agree.lost_a_peer`), and
+    :class:`~rayvit.worker.agree.GroupOutOfStep` on every rank when a run left their collectives out of
+    step (rank 0 first passes the run's outcome to ``on_abandon``, or to ``on_round`` if it finished).
     """
     prepare_process_groups(cfgs, device)
     series = new_series()
@@ -80,6 +84,9 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
             release(device)
             try:
                 error = agree_on_outcome(error, cfgs[index].train.failure_timeout_s, f"{series}/{r}/{index}")
+            except GroupOutOfStep as apart:
+                _out_of_step(apart, index, r, slot, result, on_round, on_abandon)
+                raise
             except GroupAbandoned as abandoned:
                 if on_abandon and not lost_a_peer(error):  # a lost peer ends the group, not this run
                     on_abandon(index, r, slot, str(abandoned))
@@ -95,6 +102,20 @@ def measure_rounds(cfgs: Sequence[Config], rounds: int, *, device: Optional[torc
         if between_rounds:
             between_rounds(r)
     return outcomes
+
+
+def _out_of_step(apart: GroupOutOfStep, index: int, r: int, slot: int, result: Optional[dict],
+                 on_round: Optional[RoundHook], on_abandon: Optional[AbandonHook]) -> None:
+    """Every rank ends the group (:class:`~rayvit.worker.agree.GroupOutOfStep`); the run's agreed outcome
+    goes to the driver once, from rank 0: a failure through ``on_abandon`` (which waits until it is
+    delivered), unless it was a lost peer's; a run that finished everywhere through ``on_round``."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if apart.verdict is None:
+        if on_round:
+            on_round(index, r, slot, result, None)
+    elif on_abandon and not lost_a_peer(apart.verdict):
+        on_abandon(index, r, slot, str(apart))
 
 
 def release(device: Optional[torch.device]) -> None:

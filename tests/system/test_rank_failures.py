@@ -10,11 +10,13 @@ sweep's side).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.multiprocessing import ProcessRaisedException
 
 from rayvit.config import load_config
@@ -26,6 +28,8 @@ FAULT = {"train.fail_at_step": 2, "train.fail_rank": 1, "train.failure_timeout_s
 # The process group's timeout: a collective that never completes fails after it, so a regression fails
 # these tests within a minute instead of hanging them for torch's default 30.
 GROUP_TIMEOUT_S = 60
+# Short enough that, unfixed, the stale collective fails each healthy config within seconds.
+OUT_OF_STEP_TIMEOUT_S = 15
 
 
 def _noting_abandon(folder: str, rank: int):
@@ -45,6 +49,34 @@ def _rounds_with_a_fault_on_rank_1(rank: int, mode: str, folder: str) -> tuple[l
     outcomes = measure_rounds([ok, broken, ok.replace({"parallel.strategy": "fsdp"})], 2,
                               on_abandon=_noting_abandon(folder, rank))
     return outcomes, time.monotonic() - start
+
+
+def _rounds_with_rank_1_ahead_in_the_first(rank: int, folder: str) -> dict:
+    """Three configs in one round: in the first (ddp) rank 1 issues one more collective than rank 0 (an async
+    all-reduce, as a host that ran ahead of its peers under NCCL) and both ranks raise at step 2; then a
+    healthy ddp and a healthy fsdp config. What each rank recorded and raised, and when."""
+    from rayvit.worker.agree import GroupAbandoned
+    from rayvit.worker.rounds import measure_rounds
+
+    def fail_first(session, index, r):
+        if index == 0 and session.step == 2:
+            if rank == 1:
+                dist.all_reduce(torch.zeros(1), async_op=True)
+            raise RuntimeError(f"the first config fails on rank {rank}")
+
+    start = time.monotonic()
+    recorded = []
+    ok = load_config(overrides=[*SMALL, "train.failure_timeout_s=3"])
+    seen = {"recorded": recorded, "outcomes": None, "raised": None}
+    try:
+        seen["outcomes"] = measure_rounds(
+            [ok, ok, ok.replace({"parallel.strategy": "fsdp"})], 1, on_step=fail_first,
+            on_round=lambda index, r, slot, result, error: recorded.append((index, error, time.monotonic() - start)),
+            on_abandon=_noting_abandon(folder, rank))
+    except GroupAbandoned as e:
+        seen["raised"] = str(e)
+    seen["seconds"] = time.monotonic() - start
+    return seen
 
 
 def _rounds_losing_rank_1(rank: int, folder: str) -> str:
@@ -106,3 +138,24 @@ def test_a_rank_that_raises_alone_gives_up_on_the_group_instead_of_waiting_for_i
     index, r, slot, error = json.loads((tmp_path / "abandoned1.json").read_text())
     assert (index, r, slot) == (1, 0, 1) and "injected fault on rank 1 at step 2" in error
     assert not (tmp_path / "abandoned0.json").exists()
+
+
+def test_a_failure_that_leaves_the_ranks_collectives_out_of_step_ends_the_group(tmp_path):
+    """Both ranks fail the first config, rank 1 one collective ahead of rank 0 (it issued an all-reduce rank 0
+    never will). They agree on the failure, and see from their collective counts that the group is out of
+    step: every rank ends it at once, the first config recorded failed with its error, so that the healthy
+    configs after it are measured in groups of their own instead of failing against a stale collective
+    after the process group's timeout."""
+    seen = two_ranks(tmp_path, _rounds_with_rank_1_ahead_in_the_first, str(tmp_path), timeout_s=OUT_OF_STEP_TIMEOUT_S)
+    for rank, s in enumerate(seen):
+        # Before: the first config was recorded failed, then ddp and fsdp failed on a stale collective
+        # ("Connection closed by peer") after the group's timeout, and were never measured again.
+        assert s["outcomes"] is None, (rank, [(i, (e or "").strip().splitlines()[-1:]) for i, e, _ in s["recorded"]])
+        counts = re.search(r"process group '0': rank 0 issued (\d+) collectives, rank 1 (\d+)\)", s["raised"])
+        assert counts and int(counts[2]) == int(counts[1]) + 1, s["raised"]
+        assert s["raised"].rstrip().endswith("RuntimeError: the first config fails on rank 0")
+        assert [index for index, _, _ in s["recorded"]] == [] and s["seconds"] < OUT_OF_STEP_TIMEOUT_S, s
+    # The failure reached the sweep once, from rank 0, with the error both ranks agreed on.
+    index, r, slot, error = json.loads((tmp_path / "abandoned0.json").read_text())
+    assert (index, r, slot) == (0, 0, 0) and "the first config fails on rank 0" in error
+    assert not (tmp_path / "abandoned1.json").exists()

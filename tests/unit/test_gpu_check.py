@@ -55,7 +55,7 @@ def test_list_names_every_case_without_a_gpu():
                  "reduce fsdp pure-bf16 ->fp32", "reduce fairscale_fsdp mixed-fp16 ->half",
                  "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1",
                  "state bytes fairscale_fsdp mixed-fp16 after eval", "free memory per round (fairscale_fsdp in a group)",
-                 "nan on one rank (2 GPUs)"):
+                 "nan on one rank (2 GPUs)", "collective counts (nccl, 1 rank)", "out of step on one rank (2 GPUs)"):
         assert case in full.stdout
     assert "compile" not in full.stdout            # torch.compile only with --compile
     compiled = _run("--list", "--quick", "--compile")
@@ -101,6 +101,18 @@ def test_worker_group_cases_run_on_cpu_where_their_strategies_do():
     assert not torch.distributed.is_initialized()
     with pytest.raises(check.NotCheckable, match="needs two ranks over NCCL"):
         check.check_nan_on_one_rank(cpu)
+
+
+def test_the_collective_count_cases_run_on_cpu_over_gloo():
+    """What the ranks compare after each run grows by one per collective as it is issued (gloo here, NCCL on
+    a GPU); the two-rank case needs two GPUs."""
+    check = _gpu_check_module()
+    cpu = torch.device("cpu")
+    assert check.check_collective_counts(cpu) == (
+        "gloo: {'0': 0} before, {'0': 3} with 3 all-reduces issued, {'0': 3} once they completed")
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(check.NotCheckable, match="needs two ranks over NCCL"):
+        check.check_out_of_step(cpu)
 
 
 def test_a_check_that_cannot_fail_on_this_machine_reports_n_a_never_pass():

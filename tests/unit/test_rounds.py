@@ -214,6 +214,18 @@ def test_a_run_that_raises_in_its_round_leaves_the_others_measured():
     assert done.returncode == 0, done.stderr.decode()
 
 
+def test_ranks_whose_collective_counts_differ_on_a_group_are_named_out_of_step():
+    """The comparison every rank makes after a run (the two-rank case: tests/system/test_rank_failures.py):
+    per process group, among the ranks that belong to it (a one-rank group is nobody's business)."""
+    from rayvit.worker.agree import out_of_step
+
+    assert out_of_step([{"0": 9, "1": 4}, {"0": 9, "1": 4}]) == ""
+    assert out_of_step([{"0": 9, "5": 1}, {"0": 9, "6": 3}]) == ""
+    assert out_of_step([{"0": 9, "1": 4}, {"0": 10, "1": 4}, {"0": 9, "1": 5}]) == (
+        "process group '0': rank 0 issued 9 collectives, rank 1 10, rank 2 9; "
+        "process group '1': rank 0 issued 4 collectives, rank 1 4, rank 2 5")
+
+
 def test_a_local_instance_starts_no_preemption_watcher_and_a_users_choice_stays(monkeypatch):
     """Ray Train's preemption watcher starts after a group's workers, while its first steps are timed: off
     on a local instance rayvit started (nothing there can be drained), Ray's default elsewhere. The settings
