@@ -23,6 +23,9 @@ fail here is never reported as passed):
   flash        torch.backends.cuda.flash_sdp_enabled(); SDPA in bf16 runs with only the flash backend
                allowed, for raw tensors and for the ViT's attention in both layouts; and whether SDPA's
                own choice was a flash kernel (profiler)
+  recompute    activation checkpointing under bf16 (fairscale_fsdp amp and mixed, fsdp amp): each block's
+               matmuls in bf16 in the forward and again in the recompute (FairScale's wrapper enters fp16
+               autocast around it), gradients finite; fairscale_fsdp mixed-bf16 checkpointed trains
   memory       per precision level: torch.cuda.max_memory_allocated's growth per image of batch against
                rayvit.projection's activation model (within -25%/+33%), and the peak against its total
   compile      (--compile) model.compile under DDP (amp-bf16, the wrapped model compiled) and FSDP2 (mixed-bf16,
@@ -73,6 +76,7 @@ from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check
 from rayvit.gpu_check.cases import one_line  # noqa: E402
 from rayvit.gpu_check.decode import check_gpu_decode  # noqa: E402,F401
 from rayvit.gpu_check.ladder import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
+from rayvit.gpu_check.recompute import check_recompute_dtype  # noqa: E402,F401
 from rayvit.gpu_check.rounds import (check_cold_compile, check_collective_counts, check_group_memory,  # noqa: E402,F401
                                      check_nan_on_one_rank, check_out_of_step, check_state_after_evaluation)
 
@@ -173,10 +177,14 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
         checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
     # Activation checkpointing: FSDP2 (torch's wrapper before fully_shard), FairScale FSDP (FairScale's own
     # wrapper inside its FSDP, which only a GPU runs), and the memory it saves against the model.
-    for strategy, dtype in (("fsdp", "bf16"), ("fairscale_fsdp", "fp16")):
+    for strategy, dtype in (("fsdp", "bf16"), ("fairscale_fsdp", "fp16"), ("fairscale_fsdp", "bf16")):
         checks.append((f"activation checkpointing {strategy} mixed-{dtype}", partial(
             train, {"parallel.strategy": strategy, "precision.mode": "mixed", "precision.dtype": dtype,
                     "model.activation_checkpointing": "block"})))
+    # Each recompute in the run's half dtype: FairScale's wrapper enters fp16 around it, so bf16 tells.
+    for strategy, mode in (("fairscale_fsdp", "amp"), ("fairscale_fsdp", "mixed"), ("fsdp", "amp")):
+        checks.append((f"recompute dtype {strategy} {mode}-bf16", partial(
+            check_recompute_dtype, device, strategy, mode, "bf16")))
     checks.append(("activation memory mixed, checkpointed", partial(
         check_activation_memory, device, "mixed", {"model.activation_checkpointing": "block"})))
     for strategy, mode, dtype in (("fairscale_fsdp", "mixed", "fp16"), ("fsdp", "mixed", "bf16")):

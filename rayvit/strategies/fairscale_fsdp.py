@@ -225,10 +225,21 @@ class FairScaleFSDP(FairScaleFSDPCosts, Strategy):
     def checkpoint_wrapper(self, block: nn.Module) -> nn.Module:
         """FairScale's own checkpoint wrapper, the one its FSDP documents ("wrap the module with
         checkpoint_wrapper, then with FSDP"): it patches the block's forward in place (names unchanged) and
-        its recomputation runs inside FSDP's backward, with the block's parameters already gathered."""
-        from fairscale.nn.checkpoint import checkpoint_wrapper
+        its recomputation runs inside FSDP's backward, with the block's parameters already gathered.
 
-        return checkpoint_wrapper(block)
+        Its recompute re-enters ``torch.cuda.amp.autocast(True)`` when the forward ran under CUDA autocast
+        (fairscale/nn/checkpoint/checkpoint_activations.py, ``autocast`` and ``CheckpointFunction.backward``),
+        whose dtype is fp16: under bf16 (amp, mixed with fp32 LayerNorm) every recompute and the gradients
+        through it would run in fp16, with no loss scaler. The block re-enters its forward's own autocast
+        inside it (:func:`~rayvit.models.checkpointing.recompute_in_forward_autocast`). FairScale's wrapper
+        is kept rather than torch's, which FairScale's FSDP advises against and which rayvit cannot run with
+        it off CUDA."""
+        from fairscale.nn.checkpoint import checkpoint_wrapper
+        from fairscale.nn.checkpoint.checkpoint_activations import is_recomputing
+
+        from rayvit.models.checkpointing import recompute_in_forward_autocast
+
+        return checkpoint_wrapper(recompute_in_forward_autocast(block, is_recomputing))
 
     def wrapper_kwargs(self) -> dict:
         """Settings of the block and root wrappers for this precision (see the module docstring)."""

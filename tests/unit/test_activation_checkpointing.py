@@ -111,6 +111,81 @@ def test_fairscale_fsdp_uses_fairscales_own_wrapper():
     assert all(getattr(b.forward, "func", None).__name__ == "_checkpointed_forward" for b in model.blocks)
 
 
+def _dtypes_seen(strategy: str, mode: str) -> tuple[list, list]:
+    """The dtype each checkpointed block's first matmul computed in, in the forward (under the run's
+    autocast, bf16) and in its recompute (during backward, outside any autocast, as the loop runs it)."""
+    import torch
+
+    from rayvit.models import build_model
+    from rayvit.strategies import strategy_class
+    from rayvit.training.precision import Precision
+
+    cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", "parallel.use_gpu=true", f"precision.mode={mode}",
+                                "precision.dtype=bf16", "model.activation_checkpointing=block", "model.depth=2"])
+    cpu = torch.device("cpu")
+    cls = strategy_class(strategy)
+    precision = Precision(cfg.precision, cpu, cls.owns_mixed_precision)
+    model = precision.prepare_model(build_model(cfg.model))
+    names = [n for n, _ in model.named_parameters()]
+    cls(cfg, precision, cpu).checkpoint_blocks(model)
+    assert [n.replace("_checkpoint_wrapped_module.", "") for n, _ in model.named_parameters()] == names
+    seen: dict[str, list] = {"forward": [], "backward": []}
+    phase = ["forward"]
+    for block in model.blocks:
+        block.mlp[0].register_forward_hook(lambda m, args, out: seen[phase[0]].append(out.dtype))
+    images = precision.cast_inputs(torch.randn(2, 3, cfg.model.image_size, cfg.model.image_size))
+    with precision.autocast():
+        loss = model(images).float().logsumexp(-1).mean()
+    phase[0] = "backward"
+    loss.backward()
+    return seen["forward"], seen["backward"]
+
+
+@pytest.fixture
+def fairscale_as_on_cuda(monkeypatch):
+    """FairScale's checkpoint wrapper doing on CPU what its source does on CUDA: it notes whether the
+    forward ran under autocast (``torch.is_autocast_enabled()``, CUDA's) and re-enters
+    ``torch.cuda.amp.autocast(True)`` around the recompute, fp16 by default. Here both read and enter CPU
+    autocast, with the same default dtype (FairScale's own code otherwise unchanged)."""
+    import contextlib
+
+    import torch
+    from fairscale.nn.checkpoint import checkpoint_activations as fairscale
+
+    @contextlib.contextmanager
+    def autocast(enabled: bool):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=enabled):
+            yield
+
+    monkeypatch.setattr(fairscale, "is_autocast_enabled", lambda: torch.is_autocast_enabled("cpu"))
+    monkeypatch.setattr(fairscale, "autocast", autocast)
+
+
+@pytest.mark.parametrize("strategy,mode", [("ddp", "amp"), ("fsdp", "amp"), ("fairscale_fsdp", "amp"),
+                                           ("fairscale_fsdp", "mixed")])
+def test_each_recompute_runs_in_the_dtype_its_forward_ran_in(strategy, mode):
+    """bf16 autocast (amp; mixed with fp32 LayerNorm): every checkpointed block's recompute computes in bf16,
+    as its forward did. torch's non-reentrant wrapper (ddp, fsdp) restores the forward's autocast itself;
+    FairScale's, on CPU, re-entered none (its recompute ran in fp32)."""
+    import torch
+
+    forward, recomputed = _dtypes_seen(strategy, mode)
+    assert forward == [torch.bfloat16, torch.bfloat16]
+    assert recomputed == forward
+
+
+@pytest.mark.parametrize("mode", ["amp", "mixed"])
+def test_fairscales_fp16_recompute_runs_in_the_forwards_bf16(mode, fairscale_as_on_cuda):
+    """FairScale's recompute as on CUDA (inside an fp16 autocast, the gradients through it fp16 with no loss
+    scaler): the block still computes in the bf16 its forward ran in. (Training it needs CUDA: gpu-check's
+    ``recompute dtype fairscale_fsdp`` cases.)"""
+    import torch
+
+    forward, recomputed = _dtypes_seen("fairscale_fsdp", mode)
+    assert forward == [torch.bfloat16, torch.bfloat16]
+    assert recomputed == forward
+
+
 def test_the_ladder_has_a_checkpointing_rung():
     from rayvit.studies.plan import plan
 

@@ -55,7 +55,9 @@ def test_list_names_every_case_without_a_gpu():
                  "reduce fsdp pure-bf16 ->fp32", "reduce fairscale_fsdp mixed-fp16 ->half",
                  "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1",
                  "state bytes fairscale_fsdp mixed-fp16 after eval", "free memory per round (fairscale_fsdp in a group)",
-                 "nan on one rank (2 GPUs)", "collective counts (nccl, 1 rank)", "out of step on one rank (2 GPUs)"):
+                 "nan on one rank (2 GPUs)", "collective counts (nccl, 1 rank)", "out of step on one rank (2 GPUs)",
+                 "recompute dtype fairscale_fsdp amp-bf16", "recompute dtype fairscale_fsdp mixed-bf16",
+                 "activation checkpointing fairscale_fsdp mixed-bf16"):
         assert case in full.stdout
     assert "compile" not in full.stdout            # torch.compile only with --compile
     compiled = _run("--list", "--quick", "--compile")
@@ -86,6 +88,8 @@ def test_dtype_checks_run_on_cpu_where_their_strategies_do():
     assert check.check_reduce_dtype(cpu, "ddp", "mixed", "bf16", "half", steps=1).startswith(
         "reduced in bf16/fp32")          # half buckets in bf16, the fp32 LayerNorm bucket in fp32
     assert check.check_reduce_dtype(cpu, "fsdp", "pure", "bf16", "fp32", steps=1).startswith("reduced in fp32")
+    assert check.check_recompute_dtype(cpu, "ddp", "amp", "bf16", steps=1) == (
+        "8 block matmuls (4 blocks x 1 steps x forward + recompute) in bf16; gradients finite")
 
 
 @pytest.mark.slow
