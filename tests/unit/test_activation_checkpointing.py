@@ -111,9 +111,10 @@ def test_fairscale_fsdp_uses_fairscales_own_wrapper():
     assert all(getattr(b.forward, "func", None).__name__ == "_checkpointed_forward" for b in model.blocks)
 
 
-def _dtypes_seen(strategy: str, mode: str) -> tuple[list, list]:
+def _dtypes_seen(strategy: str, mode: str, checkpointing: str = "block") -> tuple[list, list, dict]:
     """The dtype each checkpointed block's first matmul computed in, in the forward (under the run's
-    autocast, bf16) and in its recompute (during backward, outside any autocast, as the loop runs it)."""
+    autocast, bf16) and in its recompute (during backward, outside any autocast, as the loop runs it);
+    and the gradients, by parameter name."""
     import torch
 
     from rayvit.models import build_model
@@ -121,10 +122,12 @@ def _dtypes_seen(strategy: str, mode: str) -> tuple[list, list]:
     from rayvit.training.precision import Precision
 
     cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", "parallel.use_gpu=true", f"precision.mode={mode}",
-                                "precision.dtype=bf16", "model.activation_checkpointing=block", "model.depth=2"])
+                                "precision.dtype=bf16", f"model.activation_checkpointing={checkpointing}",
+                                "model.depth=2"])
     cpu = torch.device("cpu")
     cls = strategy_class(strategy)
     precision = Precision(cfg.precision, cpu, cls.owns_mixed_precision)
+    torch.manual_seed(0)
     model = precision.prepare_model(build_model(cfg.model))
     names = [n for n, _ in model.named_parameters()]
     cls(cfg, precision, cpu).checkpoint_blocks(model)
@@ -138,7 +141,8 @@ def _dtypes_seen(strategy: str, mode: str) -> tuple[list, list]:
         loss = model(images).float().logsumexp(-1).mean()
     phase[0] = "backward"
     loss.backward()
-    return seen["forward"], seen["backward"]
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+    return seen["forward"], seen["backward"], grads
 
 
 @pytest.fixture
@@ -169,9 +173,12 @@ def test_each_recompute_runs_in_the_dtype_its_forward_ran_in(strategy, mode):
     FairScale's, on CPU, re-entered none (its recompute ran in fp32)."""
     import torch
 
-    forward, recomputed = _dtypes_seen(strategy, mode)
+    forward, recomputed, grads = _dtypes_seen(strategy, mode)
     assert forward == [torch.bfloat16, torch.bfloat16]
     assert recomputed == forward
+    # The same arithmetic as without checkpointing, so the same gradients, bit for bit.
+    _, none, plain = _dtypes_seen(strategy, mode, "none")
+    assert none == [] and all(torch.equal(grads[n], plain[n]) for n in plain)
 
 
 @pytest.mark.parametrize("mode", ["amp", "mixed"])
@@ -181,9 +188,11 @@ def test_fairscales_fp16_recompute_runs_in_the_forwards_bf16(mode, fairscale_as_
     ``recompute dtype fairscale_fsdp`` cases.)"""
     import torch
 
-    forward, recomputed = _dtypes_seen("fairscale_fsdp", mode)
+    forward, recomputed, grads = _dtypes_seen("fairscale_fsdp", mode)
     assert forward == [torch.bfloat16, torch.bfloat16]
     assert recomputed == forward
+    _, _, plain = _dtypes_seen("fairscale_fsdp", mode, "none")
+    assert all(torch.equal(grads[n], plain[n]) for n in plain)
 
 
 def test_the_ladder_has_a_checkpointing_rung():
