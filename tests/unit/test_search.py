@@ -210,6 +210,35 @@ def test_screen_interval_is_never_narrower_than_its_noise_floor_and_failed_scree
     assert close.reason.startswith("screened 0.98x (0.93-1.03) the baseline: not above it")
 
 
+@pytest.mark.parametrize("gib,profile", [(79.2, "a100-80gb"), (39.4, "a100-40gb")])
+def test_the_screen_projects_with_the_profile_of_the_device_it_timed(monkeypatch, gib, profile):
+    """The screen timed its steps on an A100 with 80 GB (CUDA's total_memory: 79.2 GiB): it carries them to
+    the trials' 8 GPUs with the 80 GB profile (HBM 2,039 GB/s), as the sweep does, not the 40 GB one, and
+    says which; no warning that the memory was unknown. Timing on a GPU needs one: the Ray task's answer is
+    given here as :func:`time_steps` returns it there (synthetic step times, the real code after them)."""
+    import warnings
+
+    from rayvit.projection.profiles import PROFILES, UnknownMemoryWarning
+    from rayvit.studies.search import screen as screening
+
+    plan = plan_search(load_study(CONFIGS / "search_a100.yaml"))
+    cfgs = [plan.baseline.cfg] + [p.cfg for p in plan.candidates()]
+    steps = [[0.100 + 0.001 * (i % 5) + 0.0002 * (s % 2) for s in range(6)] for i in range(len(cfgs))]
+    measured = {"times": [[t, t] for t in steps], "seconds": [1.0] * len(cfgs), "errors": [None] * len(cfgs),
+                "device": "A100", "native_bf16": None, "device_memory_bytes": int(gib * 2**30)}
+    monkeypatch.setattr(screening, "measure", lambda cfgs, steps, seconds: measured)
+    lines: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = screening.run_screen(plan, lines.append)
+    assert not [w for w in caught if issubclass(w.category, UnknownMemoryWarning)]
+    assert report.profile == profile
+    assert f"on A100 ({gib:.0f} GiB: projected to 8 GPUs with the {profile} profile)" in lines[1], lines[1]
+    base = report.baseline
+    single = stats.seconds_per_step([b for r in screening._blocks(base) for b in r])
+    assert base.step_s_offset == pytest.approx(screening.projected_offset(base.cfg, single, PROFILES[profile]))
+
+
 def test_screened_order_trains_best_first_and_stops_once_a_feasible_trial_beats_every_remaining_screen():
     from ray.tune.search import Searcher
 

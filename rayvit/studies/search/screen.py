@@ -82,6 +82,8 @@ class ScreenReport:
     seconds: float
     objective: str
     prunes: bool                           # throughput objectives prune; time_to_accuracy only orders
+    profile: Optional[str] = None          # the hardware profile the steps were projected with
+    memory_bytes: Optional[int] = None     # the screen's device memory (CUDA's total_memory)
 
     @property
     def order(self) -> list[Screened]:
@@ -109,12 +111,15 @@ def run_screen(plan: SearchPlan, out: Callable[[str], None]) -> ScreenReport:
     measured = measure(cfgs, s.screen_steps, s.screen_seconds)
     entries = from_measurement(["baseline"] + [p.key for p in points],
                                [plan.baseline.setting] + [p.setting for p in points], cfgs, measured)
+    memory = measured.get("device_memory_bytes")
     report = screen(entries[0], entries[1:], s.objective, device=measured["device"],
                     native_bf16=measured["native_bf16"],
-                    profile=profile_for(measured["device"], plan.base.parallel.use_gpu),
+                    profile=profile_for(measured["device"], plan.base.parallel.use_gpu, memory),
                     seconds=time.monotonic() - started)
+    report.memory_bytes = memory
     bf16 = {True: ", native bf16", False: ", no native bf16"}.get(report.native_bf16, "")
-    out(f"screen: {len(cfgs)} settings in {report.seconds:.0f} s on {report.device}{bf16}; "
+    out(f"screen: {len(cfgs)} settings in {report.seconds:.0f} s on {report.device}{where_projected(report, plan)}"
+        f"{bf16}; "
         f"baseline {screen_figure(report.baseline, s.objective)}; "
         f"{len(report.order)} to train, best screened first, {len(report.screened_out)} screened out")
     for c in sorted(report.candidates, key=lambda c: -(c.ratio.median if c.ratio else 0.0)):
@@ -158,19 +163,19 @@ def time_steps(cfgs: Sequence[Config], *, steps: int, max_seconds: float, rounds
     model), ``warmup`` untimed steps, then timed steps until ``steps`` or ``max_seconds``. After the
     first round, configs whose objective-free rate (training FLOPs per second) is below ``decided_below``
     x the reference's get no further round. Returns per config its step times per round, seconds spent
-    and error, and the device.
+    and error, and the device with its memory (CUDA's total memory: an A100 40 GB or 80 GB).
     """
     import torch
 
     from rayvit.models import vit_complexity
     from rayvit.worker import Session
-    from rayvit.training.hardware import accelerator_name
+    from rayvit.training.hardware import accelerator_name, device_memory_bytes
 
     times: list[list[list[float]]] = [[] for _ in cfgs]
     spent = [0.0] * len(cfgs)
     errors: list[Optional[str]] = [None] * len(cfgs)
     flops = [vit_complexity(c.model).train_flops_per_image * c.train.batch_size for c in cfgs]
-    device = None
+    device, memory = None, None
     if warmup is None:
         warmup = WARMUP_STEPS["gpu" if cfgs[0].parallel.use_gpu else "cpu"]
     live = list(range(len(cfgs)))
@@ -180,7 +185,8 @@ def time_steps(cfgs: Sequence[Config], *, steps: int, max_seconds: float, rounds
             session = None
             try:
                 session = Session(screen_config(cfgs[i]))
-                device = device or accelerator_name(session.device)
+                if device is None:
+                    device, memory = accelerator_name(session.device), device_memory_bytes(session.device)
                 for _ in range(warmup):
                     session.clear_grads()
                     session.train_step()
@@ -204,7 +210,8 @@ def time_steps(cfgs: Sequence[Config], *, steps: int, max_seconds: float, rounds
                     and (i == 0 or flops[i] / _median(times[i][0]) >= decided_below * ref)]
         live = [i for i in live if errors[i] is None]
     return {"times": times, "seconds": spent, "errors": errors, "device": device or "cpu",
-            "native_bf16": cpu_has_native_bf16() if (device or "cpu") == "cpu" else None}
+            "native_bf16": cpu_has_native_bf16() if (device or "cpu") == "cpu" else None,
+            "device_memory_bytes": memory}
 
 
 def _median(values: Sequence[float]) -> float:
@@ -268,7 +275,8 @@ def screen(baseline: Screened, candidates: list[Screened], objective: str, *, de
     for s in [baseline] + candidates:
         _estimate(s, objective, profile)
     prunes = objective != "time_to_accuracy"
-    report = ScreenReport(baseline, candidates, device, native_bf16, seconds, objective, prunes)
+    report = ScreenReport(baseline, candidates, device, native_bf16, seconds, objective, prunes,
+                          getattr(profile, "name", None))
     if baseline.objective is None:
         # Nothing to compare with: every candidate is trained, in plan order.
         for c in candidates:
@@ -351,17 +359,23 @@ def from_measurement(labels: list[str], settings: list[dict[str, Any]], cfgs: li
                 labels, settings, cfgs, measured["times"], measured["seconds"], measured["errors"])]
 
 
-def profile_for(device: str, use_gpu: bool):
-    """The hardware profile of the screen's device, for the projection (CPU: the local CPU profile)."""
-    import warnings
-
+def profile_for(device: str, use_gpu: bool, memory_bytes: Optional[int] = None):
+    """The hardware profile of the screen's device, for the projection (CPU: the local CPU profile); its
+    memory tells the variants of a chip apart (A100 40 or 80 GB), as in the sweep. A GPU without a profile
+    of its own gets a generic one, and its warning says so."""
     from rayvit.projection.profiles import cpu_profile, profile_for_accelerator
 
     if not use_gpu or device == "cpu":
         return cpu_profile()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return profile_for_accelerator(device)
+    return profile_for_accelerator(device, memory_bytes)
+
+
+def where_projected(report: ScreenReport, plan: SearchPlan) -> str:
+    """`` (79 GiB: projected to 8 GPUs with the a100-80gb profile)`` for a GPU screen; empty on CPUs."""
+    if report.device == "cpu" or report.profile is None:
+        return ""
+    memory = f"{report.memory_bytes / 2**30:.0f} GiB: " if report.memory_bytes else ""
+    return f" ({memory}projected to {plan.base.parallel.num_workers} GPUs with the {report.profile} profile)"
 
 
 # --------------------------------------------------------------------------------------------------
