@@ -347,7 +347,14 @@ class StudyRun:
         c = point.cfg
         tags = {"strategy": c.parallel.strategy, "world_size": point.world_size, "series": point.series,
                 "accelerator": c.parallel.accelerator_type or ("gpu" if c.parallel.use_gpu else "cpu"), **tags}
-        return self.tracker.start_point(point.key, point.key, point.config_hash, c.flatten(), tags)
+        run_id = self.tracker.start_point(point.key, point.key, point.config_hash, c.flatten(), tags)
+        self._log_world_size(run_id, point)
+        return run_id
+
+    def _log_world_size(self, run_id: str, point: Point) -> None:
+        """The point's chips as a number too (tags are text: 16 sorts before 8), from the start, so that a
+        pivot over chips sorts and filters numerically, whatever became of the point."""
+        self.tracker.log_metrics(run_id, {"world_size": point.world_size}, step=point.world_size)
 
     def record(self, outcome: Outcome, tags: Mapping[str, Any], figures: Mapping[str, Any] = {},
                params: Mapping[str, Any] = {}) -> None:
@@ -356,6 +363,7 @@ class StudyRun:
                                           outcome.point.key, outcome.point.config_hash,
                                           {**outcome.point.cfg.flatten(), **params}, tags)
         outcome.run_id = run_id
+        self._log_world_size(run_id, outcome.point)
         self.tracker.log_metrics(run_id, figures, step=0)
         if outcome.result is not None:
             self.tracker.finish_point(run_id, outcome.result, step=0)

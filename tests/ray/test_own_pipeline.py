@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import ray
 
 from rayvit.config import load_config, load_study
@@ -74,7 +75,11 @@ def test_a_users_process_left_as_found_and_the_readme_examples_run_as_written(tm
     assert "loop: " in out and "foreach's images_per_sec_per_chip" in out
     median, low, high, *verdict = after("A/B:")
     assert float(low) <= float(median) <= float(high) and " ".join(verdict) in ("higher", "lower", "within noise")
-    # The pivot: both strategies at 1 and 2 chips.
-    pivot = out[out.index("per-chip TFLOPS:"):]
-    assert "ddp" in pivot and "fsdp" in pivot
-    assert re.search(r"^1\s+\d", pivot, re.M) and re.search(r"^2\s+\d", pivot, re.M)
+    # The pivot: that sweep's figures, both strategies at 1 and 2 chips (as numbers, in order).
+    pivot = out[out.index(f"per-chip TFLOPS, sweep {report.name!r}:"):].splitlines()
+    assert pivot[1].split() == ["tags.strategy", "ddp", "fsdp"]
+    rows = {int(line.split()[0]): [float(v) for v in line.split()[1:]] for line in pivot[3:5]}
+    figures = {(o.point.world_size, o.point.series): o.result["tflops_per_chip"] for o in report.outcomes}
+    assert list(rows) == [1, 2]
+    for chips, values in rows.items():
+        assert values == pytest.approx([figures[(chips, "ddp")], figures[(chips, "fsdp")]], rel=1e-3, abs=1e-6)

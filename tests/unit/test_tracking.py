@@ -229,6 +229,61 @@ def test_a_view_mlflow_refuses_leaves_the_curve_runs_and_says_so(store, monkeypa
     assert not [k for k in client.get_experiment(run.tracker.experiment_id).tags if k.startswith("mlflow.sharedViewState.")]
 
 
+def _recorded_sweep(name: str, figures: dict, killed: tuple = (), failed: tuple = ()):
+    """A sweep recorded as the driver records it (parent run, a child run per point, in experiment
+    ``cpu_default``): ``figures`` maps finished points to their per-chip TFLOPS; ``killed`` points were
+    interrupted, ``failed`` ones failed. Returns the StudyRun."""
+    from rayvit.studies.runner import StudyRun
+
+    keys = list(figures) + list(killed) + list(failed)
+    counts = sorted({int(k.split("/w")[1]) for k in keys})
+    study = load_study(None, ["sweep.strategies=ddp,fsdp", f"sweep.worker_counts={','.join(map(str, counts))}"])
+    run = StudyRun(study, name, "cpu_default", kind="scaling")
+    run.start({})
+    points = {p.key: p for p in plan(study)}
+    for key in keys:
+        point = points[key]
+        run_id = run.open_point(point, {})
+        if key in killed:
+            run.tracker.fail_point(run_id, "interrupted (KeyboardInterrupt: Ctrl-C / SIGINT)", status="KILLED")
+        elif key in failed:
+            run.tracker.fail_point(run_id, "RuntimeError: out of memory")
+        else:
+            run._done(point, run_id, make_result(point.series, point.world_size, figures[key], 100.0), 3.0)
+    return run
+
+
+def readme_pivot() -> str:
+    """The README's MLflow pivot, as written (its Python block that reads the store back)."""
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "search_runs" in b)
+
+
+def test_the_readmes_pivot_is_one_sweeps_finished_points_with_chips_as_numbers(store, capsys):
+    """Two sweeps in one experiment: the README's pivot reads the newest alone, its finished points only
+    (a killed and a failed point left out; a point run again after its settings changed counted once, its
+    newest run), with chips as numbers (8 before 16 before 32, not as text)."""
+    import mlflow
+
+    _recorded_sweep("older", {"ddp/w8": 9.0, "fsdp/w8": 9.0, "ddp/w16": 9.0})
+    _recorded_sweep("newer", {"ddp/w8": 1.0, "fsdp/w8": 5.0}, killed=("ddp/w16",))
+    # Resumed with fsdp/w8's settings changed: it runs again; and the rest of the points.
+    _recorded_sweep("newer", {"fsdp/w8": 1.5, "fsdp/w16": 1.2, "ddp/w16": 0.8, "ddp/w32": 0.6,
+                                      "fsdp/w32": 1.0}, failed=("ddp/w64",))
+    namespace: dict = {}
+    try:
+        exec(readme_pivot(), namespace)
+    finally:
+        mlflow.set_tracking_uri(None)
+    pivot = namespace["pivot"]
+    assert list(pivot.index) == [8, 16, 32] and list(pivot.columns) == ["ddp", "fsdp"]
+    assert pivot.to_dict() == {"ddp": {8: 1.0, 16: 0.8, 32: 0.6}, "fsdp": {8: 1.5, 16: 1.2, 32: 1.0}}
+    printed = capsys.readouterr().out
+    assert "per-chip TFLOPS, sweep 'newer':" in printed
+
+
 def test_existing_experiments_become_model_training_unless_the_user_chose(store):
     client = MlflowClient(store)
     bare = client.create_experiment("made-elsewhere")
