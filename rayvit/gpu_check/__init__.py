@@ -187,6 +187,19 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
             check_recompute_dtype, device, strategy, mode, "bf16")))
     checks.append(("activation memory mixed, checkpointed", partial(
         check_activation_memory, device, "mixed", {"model.activation_checkpointing": "block"})))
+    checks += worker_group_checks(device)
+    if compile_:
+        for strategy, mode in (("ddp", "amp"), ("fsdp", "mixed")):
+            checks.append((f"compile {strategy} {mode}-bf16", partial(
+                train, {"model.compile": True, "parallel.strategy": strategy, "precision.mode": mode,
+                        "precision.dtype": "bf16"})))
+        checks.append(("compile cold in every run", partial(check_cold_compile, device)))
+    return checks
+
+
+def worker_group_checks(device) -> list[tuple[str, Callable[[], str]]]:
+    """The cases of a worker group's rounds: state per rank, free memory per round, one rank's failure."""
+    checks: list[tuple[str, Callable[[], str]]] = []
     for strategy, mode, dtype in (("fairscale_fsdp", "mixed", "fp16"), ("fsdp", "mixed", "bf16")):
         checks.append((f"state bytes {strategy} {mode}-{dtype} after eval",
                        partial(check_state_after_evaluation, device, strategy, mode, dtype)))
@@ -194,12 +207,6 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
     checks.append(("nan on one rank (2 GPUs)", partial(check_nan_on_one_rank, device)))
     checks.append(("collective counts (nccl, 1 rank)", partial(check_collective_counts, device)))
     checks.append(("out of step on one rank (2 GPUs)", partial(check_out_of_step, device)))
-    if compile_:
-        for strategy, mode in (("ddp", "amp"), ("fsdp", "mixed")):
-            checks.append((f"compile {strategy} {mode}-bf16", partial(
-                train, {"model.compile": True, "parallel.strategy": strategy, "precision.mode": mode,
-                        "precision.dtype": "bf16"})))
-        checks.append(("compile cold in every run", partial(check_cold_compile, device)))
     return checks
 
 

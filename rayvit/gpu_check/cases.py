@@ -115,7 +115,7 @@ def check_training(device, overrides: dict[str, Any], steps: int = 30) -> str:
             + compiled)
 
 
-def _trained_session(device, overrides: dict[str, Any], steps: int, before_steps=None):
+def trained_session(device, overrides: dict[str, Any], steps: int, before_steps=None):
     """A Session of the small ViT after ``steps`` steps, and its losses; ``before_steps(session)`` first."""
     from rayvit.worker import Session
 
@@ -133,7 +133,7 @@ def _trained_session(device, overrides: dict[str, Any], steps: int, before_steps
     return session, losses
 
 
-def _names(dtypes) -> str:
+def dtype_names(dtypes) -> str:
     from rayvit.training.hardware import dtype_name
 
     return "/".join(sorted(dtype_name(d) for d in dtypes)) or "none"
@@ -162,15 +162,15 @@ def check_layer_norm_fp32(device, strategy: str, dtype: str, steps: int = 4) -> 
             elif isinstance(m, nn.Linear):
                 m.register_forward_hook(on_linear)
 
-    session, losses = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": "mixed",
+    session, losses = trained_session(device, {"parallel.strategy": strategy, "precision.mode": "mixed",
                                                 "precision.dtype": dtype}, steps, spy)
     try:
         norms = [m for m in Strategy.unwrap(session.model).modules() if isinstance(m, nn.LayerNorm)]
         grads = {p.grad.dtype for m in norms for p in m.parameters() if p.grad is not None}
     finally:
         session.close()
-    facts = (f"LayerNorm weight {_names(seen['norm_w'])}, output {_names(seen['norm_out'])}, grad "
-             f"{_names(grads)}; matmuls {_names(seen['mm'])}")
+    facts = (f"LayerNorm weight {dtype_names(seen['norm_w'])}, output {dtype_names(seen['norm_out'])}, grad "
+             f"{dtype_names(grads)}; matmuls {dtype_names(seen['mm'])}")
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     fp32 = {torch.float32}
     if not (seen["norm_w"] == seen["norm_out"] == grads == fp32 and seen["mm"] == {half}):
@@ -214,7 +214,7 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
         ranks = on_two_ranks(_reduce_scatter_dtypes, strategy, mode, dtype, reduce, steps, backend="nccl",
                              devices=(0, 1))
         sent = set().union(*ranks)
-        facts = f"2 ranks (NCCL), reduce-scattered in {_names(sent)}"
+        facts = f"2 ranks (NCCL), reduce-scattered in {dtype_names(sent)}"
         # fp32 LayerNorm wrappers (mixed) always reduce their fp32 gradients in fp32 beside the half ones.
         if not (expected in sent and sent <= {expected, torch.float32}):
             raise RuntimeError(f"expected {dtype_name(expected)}: {facts}")
@@ -232,13 +232,13 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
 
     setattr(module, name, spy)
     try:
-        session, _ = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
+        session, _ = trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
                                                "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
     finally:
         setattr(module, name, real)
     try:
         recorded = session.conditions("check")["reduce_dtype"]
-        facts = f"reduced in {_names(set(sent))}"
+        facts = f"reduced in {dtype_names(set(sent))}"
         # fp32 LayerNorm gradients (mixed) always travel in fp32 beside the half ones.
         ok = expected in sent and set(sent) <= {expected, torch.float32}
     finally:
@@ -266,7 +266,7 @@ def _reduce_scatter_dtypes(device, strategy: str, mode: str, dtype: str, reduce:
     for n in names:          # fairscale.internal.reduce_scatter_bucketer looks them up on torch.distributed
         setattr(dist, n, lambda *a, _n=n, **k: spy(*a, _name=_n, **k))
     try:
-        session, _ = _trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
+        session, _ = trained_session(device, {"parallel.strategy": strategy, "precision.mode": mode,
                                                "precision.dtype": dtype, "parallel.reduce_dtype": reduce}, steps)
         session.close()
     finally:

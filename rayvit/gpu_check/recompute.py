@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rayvit.gpu_check.cases import _names, _trained_session
+from rayvit.gpu_check.cases import dtype_names, trained_session
 
 
 def check_recompute_dtype(device, strategy: str, mode: str, dtype: str, steps: int = 3) -> str:
@@ -26,7 +26,7 @@ def check_recompute_dtype(device, strategy: str, mode: str, dtype: str, steps: i
 
     overrides = {"parallel.strategy": strategy, "precision.mode": mode, "precision.dtype": dtype,
                  "model.activation_checkpointing": "block"}
-    session, losses = _trained_session(device, overrides, steps, spy)
+    session, losses = trained_session(device, overrides, steps, spy)
     try:
         depth = session.cfg.model.depth
         grads = [p.grad for p in session.model.parameters() if p.grad is not None]
@@ -34,7 +34,7 @@ def check_recompute_dtype(device, strategy: str, mode: str, dtype: str, steps: i
     finally:
         session.close()
     facts = (f"{len(calls)} block matmuls ({depth} blocks x {steps} steps x forward + recompute) in "
-             f"{_names(set(calls))}; gradients {'finite' if finite else 'NOT finite'}")
+             f"{dtype_names(set(calls))}; gradients {'finite' if finite else 'NOT finite'}")
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     if len(calls) != 2 * depth * steps or set(calls) != {half}:
         raise RuntimeError(f"expected every forward and recompute in {dtype}: {facts}")
