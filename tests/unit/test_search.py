@@ -221,7 +221,7 @@ def test_the_screen_projects_with_the_profile_of_the_device_it_timed(monkeypatch
     from rayvit.projection.profiles import PROFILES, UnknownMemoryWarning
     from rayvit.studies.search import screen as screening
 
-    plan = plan_search(load_study(CONFIGS / "search_a100.yaml"))
+    plan = plan_search(load_study(CONFIGS / "search_a100.yaml", {"search.space": {"optim.impl": ["foreach", "fused"]}}))
     cfgs = [plan.baseline.cfg] + [p.cfg for p in plan.candidates()]
     steps = [[0.100 + 0.001 * (i % 5) + 0.0002 * (s % 2) for s in range(6)] for i in range(len(cfgs))]
     measured = {"times": [[t, t] for t in steps], "seconds": [1.0] * len(cfgs), "errors": [None] * len(cfgs),
