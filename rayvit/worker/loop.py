@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from rayvit.errors import DivergedError, InjectedFault
 from rayvit import process_state
 from rayvit.config import Config, as_config
-from rayvit.data import build_data
+from rayvit.data import Data, build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
 from rayvit.training import hardware
@@ -45,6 +45,20 @@ class Session:
         self._threads_before, self._excepthook_before = torch.get_num_threads(), sys.excepthook
         # model.compile: the caches it compiles with; made before anything compiles (rayvit.worker.compiling).
         self._compile_scope = compiling.CompileScope(cfg.model, self.device)
+        self.owns_process_group = False
+        self.data: Optional[Data] = None
+        self.model = self.forward = self.optimizer = None
+        # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
+        self.sampler: Optional[Sampler] = None
+        try:
+            self._build(dataset_shards)
+        except BaseException:
+            # A setup that fails releases what it made: nobody holds this session to close() it.
+            self._release()
+            raise
+
+    def _build(self, dataset_shards: Optional[dict]) -> None:
+        cfg = self.cfg
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash. (Ray sets
             # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's. The
@@ -78,8 +92,6 @@ class Session:
         self.warmup_step_times: list[float] = []   # this attempt's warm-up steps (model.compile compiles there)
         self.steps_this_attempt = 0
         self.skipped_steps = 0
-        # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
-        self.sampler: Optional[Sampler] = None
         self._sampler_tried = False
         self._state_bytes: Optional[int] = None    # model state after the last step (model_state_bytes)
         self._compile_scope.enter()                # last: nothing after it can fail and leave it open
@@ -354,22 +366,30 @@ class Session:
             next(self.data.train)
 
     def close(self) -> None:
-        """Stop the sampler; release the model; end the one-rank process group if this session made it.
+        """Stop the sampler and the data; release the model; end the one-rank process group if this
+        session made it; put back the thread count and excepthook."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.data is not None:
+            self.data.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Release the model, the compile scope and the one-rank process group this session made, and put
+        the thread count and excepthook back: what close() ends with, and all a failed setup needs.
 
         The wrapped model (DDP's reducer, the sharded wrappers) holds the process group. Destroyed first
         and collected later, gloo's destructor could wait forever on its own threads (seen in a test
         run: ``~ProcessGroupGloo`` joining inside ``~Reducer``), so the model goes before the group.
         """
-        if self.sampler is not None:
-            self.sampler.stop()
-        self.data.close()
         self.forward = self.model = self.optimizer = None
         self._compile_scope.close()
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
             sys.excepthook = self._excepthook_before
-            self.strategy.forget_process_groups()      # they belonged to the group just destroyed
+            # Their groups belonged to the group just destroyed.
+            strategy_class(self.cfg.parallel.strategy).forget_process_groups()
         torch.set_num_threads(self._threads_before)
 
 

@@ -50,6 +50,32 @@ def test_train_and_compare_leave_the_callers_process_as_they_found_it():
     assert comparison.ratio.lo <= comparison.ratio.median <= comparison.ratio.hi
 
 
+def test_a_session_that_fails_to_build_releases_what_it_made(tmp_path):
+    """A setup that fails after the one-rank process group was made (data that cannot be read, the last
+    thing a session builds) releases the group, the excepthook it wrapped and the thread count: the next
+    session makes and ends a group of its own, and train() leaves the process as it found it."""
+    import sys
+
+    import torch.distributed as dist
+
+    broken = load_config("cpu_default", [*TINY, "data.name=parquet", f"data.path={tmp_path / 'missing.parquet'}",
+                                         "model.compile=true"])
+    torch.set_num_threads(2)
+    before = ProcessSnapshot()
+    hook = sys.excepthook
+    with pytest.raises(ConfigError, match="missing.parquet"):
+        Session(broken)
+    assert not dist.is_initialized(), "the failed session left its process group"
+    assert sys.excepthook is hook and torch.get_num_threads() == 2 and before.differences() == []
+    session = Session(load_config("cpu_default", TINY))
+    assert session.owns_process_group
+    session.close()
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="missing.parquet"):
+        train(broken)
+    assert not dist.is_initialized() and before.differences() == []
+
+
 def test_a_trainer_is_checked_on_the_driver_before_any_worker_starts():
     """A typo, a ScalingConfig that disagrees with the config: refused when the trainer is built, in well
     under two seconds, with both values named."""
