@@ -85,6 +85,7 @@ class Session:
 
         self.step = 0                         # optimizer steps completed, across restarts
         self.restarts = 0
+        self.data_fresh_starts = 0            # restarts after which the input started afresh (load_checkpoint)
         self.history: list[dict] = []         # per step: step, loss, lr, step_time_s
         self.evals: list[dict] = []
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
@@ -225,6 +226,8 @@ class Session:
                    "timed_steps": len(self.step_times)}
         if self.evals:
             figures["val_accuracy"] = self.evals[-1]["val_accuracy"]
+        if self.restarts:
+            figures["data_fresh_starts"] = self.data_fresh_starts
         return figures
 
     # ---------------------------------------------------------------------------------------------
@@ -289,6 +292,8 @@ class Session:
         }
         if self.evals and "val_accuracy" in self.evals[-1]:
             figures["val_accuracy"] = self.evals[-1]["val_accuracy"]
+        if self.restarts:
+            figures["data_fresh_starts"] = float(self.data_fresh_starts)
         if self.cfg.model.compile:
             figures["compile_time_s"] = stats[2]      # the slowest rank's
             figures["compile_graphs"] = float(compiling.graphs_compiled() - self._graphs_before)
@@ -342,7 +347,8 @@ class Session:
         self.strategy.save(directory, self.model, self.optimizer)
         if self.rank == 0:
             checkpoint.write_meta(directory, {
-                "step": self.step, "restarts": self.restarts, "history": self.history, "evals": self.evals,
+                "step": self.step, "restarts": self.restarts, "data_fresh_starts": self.data_fresh_starts,
+                "history": self.history, "evals": self.evals,
                 "scheduler": self.scheduler.state_dict(), "strategy": self.cfg.parallel.strategy,
                 "config": self.cfg.to_dict(),
                 "loss_scale": self.precision.scaler.scale if self.precision.scaler else None})
@@ -359,11 +365,17 @@ class Session:
             self.precision.scaler.scale = meta["loss_scale"]
         self.step, self.history, self.evals = meta["step"], meta["history"], meta["evals"]
         self.restarts = meta["restarts"] + 1
+        self.data_fresh_starts = meta.get("data_fresh_starts", 0)
         if dist.is_initialized() and self.world_size > 1:
             dist.barrier()
-        # Continue the data stream where the crashed attempt's checkpoint left it.
-        for _ in range(self.step):
-            next(self.data.train)
+        # Continue the input where the checkpoint left it, by arithmetic on the step: drawing the batches
+        # before it would decode each again. Ray Data's order cannot be replayed: that input starts afresh
+        # (a new pass over its shard), and the run says so (data_fresh_starts).
+        if self.data.train_from is not None:
+            self.data.close()
+            self.data.train = self.data.train_from(self.step)
+        else:
+            self.data_fresh_starts += 1
 
     def close(self) -> None:
         """Stop the sampler and the data; release the model; end the one-rank process group if this

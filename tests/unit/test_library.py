@@ -132,6 +132,50 @@ def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strat
     assert loaded.optimizer_state and not loaded.model.training
 
 
+class _Counted:
+    """A session's own train stream, counting the batches drawn from it."""
+
+    def __init__(self, batches):
+        self.batches, self.drawn = batches, 0
+
+    def __next__(self):
+        self.drawn += 1
+        return next(self.batches)
+
+    def close(self):
+        self.batches.close()
+
+
+def test_a_resumed_session_continues_its_input_without_drawing_the_batches_before_it(tmp_path):
+    """Resuming from a step-7 checkpoint on digits: no batch of the first 7 steps is drawn again, the next
+    batch is the one an unbroken run draws at step 7, and the run reports that its input continued."""
+    cfg = load_config("cpu_default", ["data.name=digits", "train.steps=12", "train.warmup_steps=1"])
+    unbroken = Session(cfg)
+    try:
+        expected = [next(unbroken.data.train) for _ in range(8)][7]
+    finally:
+        unbroken.close()
+    first = Session(cfg)
+    try:
+        for _ in range(7):
+            first.clear_grads()
+            first.train_step()
+        first.save_checkpoint(str(tmp_path))
+    finally:
+        first.close()
+    resumed = Session(cfg)
+    try:
+        resumed.data.train = counted = _Counted(resumed.data.train)
+        resumed.load_checkpoint(str(tmp_path))
+        assert counted.drawn == 0, f"resuming drew the {counted.drawn} batches it skips"
+        images, labels = next(resumed.data.train)
+        assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+        assert resumed.step == 7 and resumed.restarts == 1
+        assert resumed.running_figures()["data_fresh_starts"] == 0
+    finally:
+        resumed.close()
+
+
 def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
     """FairScale FSDP trains on GPUs only, but its wrapper, flat shards and metadata exist on CPU: what its
     strategy saves is consolidated by FairScale's own offline routine."""

@@ -118,3 +118,44 @@ def test_dataset_columns_are_checked_on_the_driver(local_ray, digits_parquet):
         check_dataset(renamed, cfg)
     ok = config("data.image_column=pixels", "data.label_column=y", "model.image_size=16")
     assert check_dataset(renamed, ok) == "decoded"
+
+
+def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip_and_says_so(local_ray, digits_parquet,
+                                                                                            tmp_path):
+    """Ray Data's order cannot be replayed: a session resumed from a step-4 checkpoint draws none of the
+    4 batches it would skip (each a decode through the whole pipeline), starts a new pass over its shard,
+    and its summary says the input started afresh once."""
+    from rayvit.config import load_config
+    from rayvit.worker import Session
+
+    cfg = load_config("cpu_default", ["data.name=parquet", f"data.path={digits_parquet}", "train.steps=6",
+                                      "train.warmup_steps=1"])
+    datasets = ray_datasets(cfg)
+    first = Session(cfg, dataset_shards={"train": datasets["train"].iterator()})
+    try:
+        for _ in range(4):
+            first.clear_grads()
+            first.train_step()
+        first.save_checkpoint(str(tmp_path))
+    finally:
+        first.close()
+    resumed = Session(cfg, dataset_shards={"train": datasets["train"].iterator()})
+    try:
+        batches, drawn = resumed.data.train, []
+
+        def counted():
+            for batch in batches:
+                drawn.append(1)
+                yield batch
+
+        resumed.data.train = counted()
+        resumed.load_checkpoint(str(tmp_path))
+        assert drawn == [], f"resuming drew {len(drawn)} batches to skip"
+        while resumed.step < 6:
+            resumed.clear_grads()
+            resumed.train_step()
+        result = resumed.summary(0.0)
+    finally:
+        resumed.close()
+    assert result.restarts == 1 and [h["step"] for h in result.history] == list(range(6))
+    assert result["data_fresh_starts"] == 1 and len(drawn) == 2
