@@ -25,8 +25,8 @@ from rayvit.data import Data, build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
 from rayvit.training import hardware
-from rayvit.training import checkpoint
 from rayvit.worker import agree, compiling, metrics
+from rayvit.worker import checkpoint as session_checkpoint
 from rayvit.training.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.training.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
@@ -343,39 +343,16 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        """Write this run's state to ``directory``: the strategy's model and optimizer, rank 0's progress."""
-        self.strategy.save(directory, self.model, self.optimizer)
-        if self.rank == 0:
-            checkpoint.write_meta(directory, {
-                "step": self.step, "restarts": self.restarts, "data_fresh_starts": self.data_fresh_starts,
-                "history": self.history, "evals": self.evals,
-                "scheduler": self.scheduler.state_dict(), "strategy": self.cfg.parallel.strategy,
-                "config": self.cfg.to_dict(),
-                "loss_scale": self.precision.scaler.scale if self.precision.scaler else None})
+        """Write what this run continues from into ``directory`` (:func:`session_checkpoint.save_state`)."""
+        session_checkpoint.save_state(self, directory)
+
+    def save_model(self, directory: str) -> None:
+        """Write the model alone, whole, into ``directory`` (:func:`session_checkpoint.save_model`)."""
+        session_checkpoint.save_model(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        """Continue from a checkpoint: its weights, optimizer, schedule, loss scale, steps and history."""
-        meta = checkpoint.read_meta(directory)
-        if meta["strategy"] != self.cfg.parallel.strategy:
-            raise ValueError(f"checkpoint in {directory} was written by strategy {meta['strategy']}, "
-                             f"not {self.cfg.parallel.strategy}")
-        self.strategy.load(directory, self.model, self.optimizer)
-        self.scheduler.load_state_dict(meta["scheduler"])
-        if self.precision.scaler is not None and meta["loss_scale"]:
-            self.precision.scaler.scale = meta["loss_scale"]
-        self.step, self.history, self.evals = meta["step"], meta["history"], meta["evals"]
-        self.restarts = meta["restarts"] + 1
-        self.data_fresh_starts = meta.get("data_fresh_starts", 0)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
-        # Continue the input where the checkpoint left it, by arithmetic on the step: drawing the batches
-        # before it would decode each again. Ray Data's order cannot be replayed: that input starts afresh
-        # (a new pass over its shard), and the run says so (data_fresh_starts).
-        if self.data.train_from is not None:
-            self.data.close()
-            self.data.train = self.data.train_from(self.step)
-        else:
-            self.data_fresh_starts += 1
+        """Continue from a checkpoint (:func:`session_checkpoint.resume`)."""
+        session_checkpoint.resume(self, directory)
 
     def close(self) -> None:
         """Stop the sampler and the data; release the model; end the one-rank process group if this

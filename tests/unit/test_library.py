@@ -132,6 +132,37 @@ def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strat
     assert loaded.optimizer_state and not loaded.model.training
 
 
+@pytest.mark.parametrize("strategy, overrides", [("ddp", ["precision.mode=fp32"]), ("ddp", ["precision.mode=mixed"]),
+                                                  ("fsdp", ["precision.mode=mixed"]),
+                                                  ("fsdp", ["parallel.reshard_after_forward=false"]),
+                                                  ("fairscale_oss", [])])
+def test_a_finished_runs_model_alone_loads_into_one_plain_model(tmp_path, strategy, overrides):
+    """What a run's final checkpoint holds by default: the model as the optimizer left it, after the final
+    evaluation (which leaves FSDP2's parameters gathered without resharding), with no optimizer state; no
+    run resumes from it."""
+    from rayvit.worker.checkpoint import resumable
+
+    cfg = load_config("cpu_default", [*TINY, "data.name=digits", f"parallel.strategy={strategy}", *overrides])
+    session = Session(cfg)
+    try:
+        for _ in range(3):
+            session.clear_grads()
+            session.train_step()
+        accuracy = session.evaluate()["val_accuracy"]
+        session.save_model(str(tmp_path))
+        session.save_checkpoint(str(tmp_path / "full"))
+    finally:
+        session.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "meta.json", "state.pt"]
+    loaded, full = load_checkpoint(tmp_path), load_checkpoint(tmp_path / "full")
+    assert loaded.step == 3 and loaded.optimizer_state is None and loaded.config == cfg
+    assert not resumable(str(tmp_path)) and resumable(str(tmp_path / "full"))
+    state = loaded.model.state_dict()
+    for key, value in full.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    assert loaded.evals[-1]["val_accuracy"] == accuracy
+
+
 class _Counted:
     """A session's own train stream, counting the batches drawn from it."""
 
@@ -201,6 +232,19 @@ def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
     for key, value in expected.items():
         torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)
     assert isinstance(loaded.optimizer_state, list) and len(loaded.optimizer_state) == 1
+    # The model alone (a run's final checkpoint by default): the same shards without the optimizer.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        FairScaleFSDP.save_model(None, str(alone), wrapped)
+    finally:
+        dist.destroy_process_group()
+    checkpoint.write_meta(str(alone), {"step": 0, "config": cfg.to_dict(), "resumable": False})
+    loaded = load_checkpoint(alone)
+    for key, value in expected.items():
+        torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)
+    assert loaded.optimizer_state is None
 
 
 def test_a_folder_without_a_model_says_how_to_get_one(tmp_path):
