@@ -214,6 +214,15 @@ class Driver:
             self.stop()
             raise AssertionError(f"driver still running after {timeout:.0f} s:\n{self.tail()}") from None
 
+    def events_at_end(self, timeout: float) -> list[dict]:
+        """Wait for the driver to exit (stopped past ``timeout``); its events, once it exited cleanly."""
+        try:
+            rc = self.wait(timeout=timeout)
+        finally:
+            self.stop()
+        assert rc == 0, self.tail()
+        return self.events()
+
     def wait_for(self, what: str, condition, timeout: float) -> None:
         deadline = time.time() + timeout
         while not condition():
@@ -257,13 +266,7 @@ def test_checkpointing_to_node_local_storage_is_refused(cluster, tmp_path):
     refused before any Train worker starts, with a message that says what to set."""
     cluster.ensure_worker()
     home = tmp_path / "home"
-    driver = cluster.driver("refused", [{"name": "refused", "home": str(home), "overrides": RUN}])
-    try:
-        rc = driver.wait(timeout=90)
-    finally:
-        driver.stop()
-    events = driver.events()
-    assert rc == 0, driver.tail()
+    events = cluster.driver("refused", [{"name": "refused", "home": str(home), "overrides": RUN}]).events_at_end(90)
     refused = _one(events, "refused", "refused")["error"]
     assert "2 nodes of this cluster can each host its workers" in refused, refused
     assert "launch.storage" in refused and "s3://" in refused and "train.checkpoint_every=5" in refused
@@ -378,13 +381,7 @@ def test_a_lost_worker_resumes_from_the_checkpoint_before_it_whatever_the_report
             {"name": "lost-own-trainer", "how": "own", "config": "cpu_default", "home": str(tmp_path / "b"),
              "storage": str(shared), "overrides": LOST_WORKER}]
     assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in cluster.env
-    driver = cluster.driver("lost-worker", runs)
-    try:
-        rc = driver.wait(timeout=300)
-    finally:
-        driver.stop()
-    events = driver.events()
-    assert rc == 0, driver.tail()
+    events = cluster.driver("lost-worker", runs).events_at_end(300)
     for run in runs:
         name = run["name"]
         started = _one(events, "start", name)["t"]

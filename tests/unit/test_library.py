@@ -15,7 +15,7 @@ from rayvit.results import Comparison, RunResult
 from rayvit.worker import Session, train
 from rayvit.worker.checkpoint import load_checkpoint
 
-from shared import ProcessSnapshot
+from shared import Counted, ProcessSnapshot, checkpointed_after, train_steps
 
 TINY = ["train.steps=4", "train.warmup_steps=1"]
 
@@ -108,9 +108,7 @@ def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strat
     cfg = load_config("cpu_default", [*TINY, f"parallel.strategy={strategy}", f"precision.mode={mode}"])
     session = Session(cfg)
     try:
-        for _ in range(3):
-            session.clear_grads()
-            session.train_step()
+        train_steps(session, 3)
         session.save_checkpoint(str(tmp_path))
         if strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -145,9 +143,7 @@ def test_a_finished_runs_model_alone_loads_into_one_plain_model(tmp_path, strate
     cfg = load_config("cpu_default", [*TINY, "data.name=digits", f"parallel.strategy={strategy}", *overrides])
     session = Session(cfg)
     try:
-        for _ in range(3):
-            session.clear_grads()
-            session.train_step()
+        train_steps(session, 3)
         accuracy = session.evaluate()["val_accuracy"]
         session.save_model(str(tmp_path))
         session.save_checkpoint(str(tmp_path / "full"))
@@ -163,20 +159,6 @@ def test_a_finished_runs_model_alone_loads_into_one_plain_model(tmp_path, strate
     assert loaded.evals[-1]["val_accuracy"] == accuracy
 
 
-class _Counted:
-    """A session's own train stream, counting the batches drawn from it."""
-
-    def __init__(self, batches):
-        self.batches, self.drawn = batches, 0
-
-    def __next__(self):
-        self.drawn += 1
-        return next(self.batches)
-
-    def close(self):
-        self.batches.close()
-
-
 def test_a_resumed_session_continues_its_input_without_drawing_the_batches_before_it(tmp_path):
     """Resuming from a step-7 checkpoint on digits: no batch of the first 7 steps is drawn again, the next
     batch is the one an unbroken run draws at step 7, and the run reports that its input continued."""
@@ -186,17 +168,10 @@ def test_a_resumed_session_continues_its_input_without_drawing_the_batches_befor
         expected = [next(unbroken.data.train) for _ in range(8)][7]
     finally:
         unbroken.close()
-    first = Session(cfg)
-    try:
-        for _ in range(7):
-            first.clear_grads()
-            first.train_step()
-        first.save_checkpoint(str(tmp_path))
-    finally:
-        first.close()
+    checkpointed_after(cfg, 7, tmp_path)
     resumed = Session(cfg)
     try:
-        resumed.data.train = counted = _Counted(resumed.data.train)
+        resumed.data.train = counted = Counted(resumed.data.train)
         resumed.load_checkpoint(str(tmp_path))
         assert counted.drawn == 0, f"resuming drew the {counted.drawn} batches it skips"
         images, labels = next(resumed.data.train)

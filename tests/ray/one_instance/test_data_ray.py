@@ -11,7 +11,8 @@ import torch
 
 from rayvit.data import build_data, ray_datasets
 
-from shared import CPU, WHOLE_IMAGES, config, export_photos_parquet, sample_key, take
+from shared import (CPU, WHOLE_IMAGES, Counted, checkpointed_after, config, export_photos_parquet, sample_key,
+                    take, train_steps)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -131,31 +132,15 @@ def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip
     cfg = load_config("cpu_default", ["data.name=parquet", f"data.path={digits_parquet}", "train.steps=6",
                                       "train.warmup_steps=1"])
     datasets = ray_datasets(cfg)
-    first = Session(cfg, dataset_shards={"train": datasets["train"].iterator()})
-    try:
-        for _ in range(4):
-            first.clear_grads()
-            first.train_step()
-        first.save_checkpoint(str(tmp_path))
-    finally:
-        first.close()
+    checkpointed_after(cfg, 4, tmp_path, dataset_shards={"train": datasets["train"].iterator()})
     resumed = Session(cfg, dataset_shards={"train": datasets["train"].iterator()})
     try:
-        batches, drawn = resumed.data.train, []
-
-        def counted():
-            for batch in batches:
-                drawn.append(1)
-                yield batch
-
-        resumed.data.train = counted()
+        resumed.data.train = counted = Counted(resumed.data.train)
         resumed.load_checkpoint(str(tmp_path))
-        assert drawn == [], f"resuming drew {len(drawn)} batches to skip"
-        while resumed.step < 6:
-            resumed.clear_grads()
-            resumed.train_step()
+        assert counted.drawn == 0, f"resuming drew {counted.drawn} batches to skip"
+        train_steps(resumed, 2)
         result = resumed.summary(0.0)
     finally:
         resumed.close()
     assert result.restarts == 1 and [h["step"] for h in result.history] == list(range(6))
-    assert result["data_fresh_starts"] == 1 and len(drawn) == 2
+    assert result["data_fresh_starts"] == 1 and counted.drawn == 2
