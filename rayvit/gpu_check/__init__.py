@@ -182,11 +182,8 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
     checks.append(("activation memory mixed, checkpointed", partial(
         check_activation_memory, device, "mixed", {"model.activation_checkpointing": "block"})))
     for strategy, mode, dtype in (("fairscale_fsdp", "mixed", "fp16"), ("fsdp", "mixed", "bf16")):
-        checks.append((f"state bytes {strategy} {mode}-{dtype} after eval",
-                       partial(check_state_after_evaluation, device, strategy, mode, dtype)))
-    for strategy, mode, dtype in (("fairscale_fsdp", "mixed", "fp16"), ("fsdp", "mixed", "bf16")):
-        checks.append((f"final model {strategy} {mode}-{dtype} after eval",
-                       partial(check_final_model, device, strategy, mode, dtype)))
+        for what, check in (("state bytes", check_state_after_evaluation), ("final model", check_final_model)):
+            checks.append((f"{what} {strategy} {mode}-{dtype} after eval", partial(check, device, strategy, mode, dtype)))
     checks.append(("free memory per round (fairscale_fsdp in a group)", partial(check_group_memory, device)))
     checks.append(("nan on one rank (2 GPUs)", partial(check_nan_on_one_rank, device)))
     if compile_:

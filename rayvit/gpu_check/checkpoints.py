@@ -35,8 +35,9 @@ def check_final_model(device, strategy: str, mode: str, dtype: str) -> str:
     finally:
         session.close()
     if set(loaded) != set(expected):
-        raise RuntimeError(f"the saved model's tensors are not the strategy's: only saved "
-                           f"{sorted(set(loaded) - set(expected))[:3]}, only held {sorted(set(expected) - set(loaded))[:3]}")
+        saved, held = sorted(set(loaded) - set(expected)), sorted(set(expected) - set(loaded))
+        raise RuntimeError(f"the saved model's tensors are not the strategy's: only saved {saved[:3]}, "
+                           f"only held {held[:3]}")
     worst = max(expected, key=lambda k: (loaded[k] - expected[k]).abs().max().item())
     difference = (loaded[worst] - expected[worst]).abs().max().item()
     if difference > 0:
