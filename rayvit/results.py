@@ -44,6 +44,10 @@ METRIC_KEYS = (
     # images dropped (each rank's distinct ones, summed).
     "data_wait_fraction",
     "skipped_images",
+    # A run that resumed from a checkpoint (restarts > 0) only: after how many of its restarts the input
+    # started afresh instead of continuing where the checkpoint left it (Ray Data's order cannot be
+    # replayed; nor can a parquet stream that dropped corrupt rows). 0: every resume continued the stream.
+    "data_fresh_starts",
     "epoch_time_imagenet_h",       # 1,281,167 images at the measured global rate
     "train_flops_per_image",
     "peak_tflops",                 # the MFU denominator used

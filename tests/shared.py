@@ -106,6 +106,39 @@ def take(data: Data, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [next(data.train) for _ in range(steps)]
 
 
+def train_steps(session, steps: int) -> None:
+    """``steps`` optimizer steps of a ``rayvit.worker.Session``."""
+    for _ in range(steps):
+        session.clear_grads()
+        session.train_step()
+
+
+def checkpointed_after(cfg, steps: int, folder, **session_kwargs) -> None:
+    """A session of ``cfg`` trained ``steps`` steps, its resumable checkpoint written to ``folder``, closed."""
+    from rayvit.worker import Session
+
+    session = Session(cfg, **session_kwargs)
+    try:
+        train_steps(session, steps)
+        session.save_checkpoint(str(folder))
+    finally:
+        session.close()
+
+
+class Counted:
+    """A session's own train stream, counting the batches drawn from it (``drawn``)."""
+
+    def __init__(self, batches):
+        self.batches, self.drawn = batches, 0
+
+    def __next__(self):
+        self.drawn += 1
+        return next(self.batches)
+
+    def close(self):
+        self.batches.close()
+
+
 def export_digits_parquet(root: Path) -> Path:
     """All 1797 digits exported as PNGs under ``root`` and converted with the to_parquet CLI (4 shards)."""
     import contextlib

@@ -46,12 +46,13 @@ def seeded_split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, 
 
 
 def train_batches(images: torch.Tensor, labels: torch.Tensor, transform: Transform, batch_size: int,
-                  seed: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+                  seed: int, rank: int = 0, world_size: int = 1, start_step: int = 0) -> Iterator[Batch]:
     """Endless batches of this rank's share of the split, reshuffled every epoch.
 
     Every rank draws the same permutation (``seed + epoch``) and takes every ``world_size``-th entry from
     ``rank``, so shares are disjoint. The permutation is first cut to a multiple of ``world_size`` and
-    each share to whole batches, so all ranks take the same number of steps per epoch.
+    each share to whole batches, so all ranks take the same number of steps per epoch. ``start_step``:
+    begin with the batch that optimizer step draws (its epoch and place in it follow from the step).
     """
     n = len(labels)
     per_rank = n // world_size
@@ -60,20 +61,20 @@ def train_batches(images: torch.Tensor, labels: torch.Tensor, transform: Transfo
         raise ConfigError(
             f"the train split has {n} samples, {per_rank} per rank for {world_size} worker(s): fewer than "
             f"one batch of train.batch_size={batch_size}; lower train.batch_size or use more data")
-    return _epochs(images, labels, transform, batch_size, seed, rank, world_size, per_rank, steps)
+    return _epochs(images, labels, transform, batch_size, seed, rank, world_size, per_rank, steps, start_step)
 
 
-def _epochs(images, labels, transform, batch_size, seed, rank, world_size, per_rank, steps):
+def _epochs(images, labels, transform, batch_size, seed, rank, world_size, per_rank, steps, start_step):
     n = len(labels)
-    epoch = 0
+    epoch, first = divmod(start_step, steps)
     while True:
         # The permutation is drawn on the CPU so every device type sees the same order; one small
         # index copy per epoch is the only host work.
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
         share = perm[: per_rank * world_size][rank::world_size][: steps * batch_size]
-        for idx in share.to(labels.device).view(steps, batch_size):
+        for idx in share.to(labels.device).view(steps, batch_size)[first:]:
             yield transform(images[idx]), labels[idx]
-        epoch += 1
+        epoch, first = epoch + 1, 0
 
 
 def val_batches(images: torch.Tensor, labels: torch.Tensor, transform: Transform, batch_size: int,

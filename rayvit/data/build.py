@@ -26,6 +26,10 @@ class Data:
     num_classes: int    # classes present in the data
     # Corrupt images dropped under data.skip_corrupt=true (each named once on stderr), else None.
     skipped: Optional[Skipped] = None
+    # The train stream from optimizer step N on, as an unbroken run draws it, reached by arithmetic on N
+    # (no batch before it is made or decoded): what a resumed run continues from. None where the order
+    # cannot be replayed (Ray Data's shards; rows dropped as corrupt): a resumed run starts afresh.
+    train_from: Optional[Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]] = None
 
     def close(self) -> None:
         """Stop what feeds ``train`` (a prefetch thread, Ray Data's iterator)."""
@@ -68,27 +72,49 @@ def build_data(cfg: Config, device: torch.device, *, rank: int = 0, world_size: 
         batches = synthetic.synthetic_batches(cfg, device, rank)
         return Data(train=synthetic.synthetic_train(batches), val_batches=None,
                     num_train=len(batches) * t.batch_size * world_size, num_val=0,
-                    num_classes=cfg.model.num_classes)
+                    num_classes=cfg.model.num_classes,
+                    train_from=lambda step: synthetic.synthetic_train(batches, step))
 
     if d.name == "parquet":
-        if d.decode == "gpu":
-            raise ConfigError("data.decode=gpu decodes in Ray Data's pipeline (rayvit.trainer.fit, sweeps); "
-                              "without Ray use data.decode=cpu")
-        skipped = Skipped() if d.skip_corrupt else None
-        encoded, val, num_classes = parquet.load_split(cfg, device, filesystem, skipped)
-        normalise = batching.uint8_normaliser(device)
-        return Data(
-            train=decoded_train_batches(encoded, cfg, device, normalise, rank, world_size, skipped),
-            val_batches=(batching.val_batches(*val, normalise, t.batch_size, rank, world_size)
-                         if len(val[1]) else None),
-            num_train=len(encoded.labels), num_val=len(val[1]), num_classes=num_classes, skipped=skipped)
+        return _parquet_data(cfg, device, rank, world_size, filesystem)
+    return _digits_data(cfg, device, rank, world_size)
 
-    train, val = digits.digits_tensors(d.val_fraction, t.seed, device)
+
+def _parquet_data(cfg: Config, device: torch.device, rank: int, world_size: int,
+                  filesystem: Optional["pyarrow.fs.FileSystem"]) -> Data:
+    """Parquet read by pyarrow in this process, each batch decoded when drawn (:mod:`rayvit.data.pipeline`)."""
+    d, t = cfg.data, cfg.train
+    if d.decode == "gpu":
+        raise ConfigError("data.decode=gpu decodes in Ray Data's pipeline (rayvit.trainer.fit, sweeps); "
+                          "without Ray use data.decode=cpu")
+    skipped = Skipped() if d.skip_corrupt else None
+    encoded, val, num_classes = parquet.load_split(cfg, device, filesystem, skipped)
+    normalise = batching.uint8_normaliser(device)
+
+    def decoded_from(step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return decoded_train_batches(encoded, cfg, device, normalise, rank, world_size, skipped, step)
+
+    return Data(
+        train=decoded_from(0),
+        val_batches=(batching.val_batches(*val, normalise, t.batch_size, rank, world_size)
+                     if len(val[1]) else None),
+        num_train=len(encoded.labels), num_val=len(val[1]), num_classes=num_classes, skipped=skipped,
+        # Dropped corrupt rows shift every later batch by rows no step counted.
+        train_from=None if d.skip_corrupt else decoded_from)
+
+
+def _digits_data(cfg: Config, device: torch.device, rank: int, world_size: int) -> Data:
+    t = cfg.train
+    train, val = digits.digits_tensors(cfg.data.val_fraction, t.seed, device)
     num_classes = int(torch.cat([train[1], val[1]]).max()) + 1
     batching.check_num_classes(num_classes, cfg.model.num_classes, "data.name=digits")
     transform = digits.upsampler(cfg.model.image_size)
+
+    def train_from(step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return batching.train_batches(*train, transform, t.batch_size, t.seed, rank, world_size, start_step=step)
+
     return Data(
-        train=batching.train_batches(*train, transform, t.batch_size, t.seed, rank, world_size),
+        train=train_from(0), train_from=train_from,
         val_batches=(batching.val_batches(*val, transform, t.batch_size, rank, world_size)
                      if len(val[1]) else None),
         num_train=len(train[1]), num_val=len(val[1]), num_classes=num_classes)

@@ -110,11 +110,13 @@ class Rebatcher:
 
 
 def decoded_train_batches(split: EncodedSplit, cfg: Config, device: torch.device, normalise: Transform,
-                          rank: int, world_size: int, skip: Optional[Skipped]) -> Iterator[Batch]:
+                          rank: int, world_size: int, skip: Optional[Skipped], start_step: int = 0) -> Iterator[Batch]:
     """Endless train batches of this rank's share, decoded when drawn (see the module's docstring).
 
     Shares are cut as ``batching.train_batches`` cuts them: the same permutation on every rank (seed +
-    epoch), every ``world_size``-th row from ``rank``, the same number of steps per rank.
+    epoch), every ``world_size``-th row from ``rank``, the same number of steps per rank. ``start_step``:
+    begin with the batch that optimizer step draws, nothing before it decoded (exact while no corrupt row
+    is dropped: ``skip`` refills batches from later rows).
     """
     batch_size = cfg.train.batch_size
     n = len(split.labels)
@@ -123,11 +125,11 @@ def decoded_train_batches(split: EncodedSplit, cfg: Config, device: torch.device
         raise ConfigError(
             f"the train split has {n} samples, {per_rank} per rank for {world_size} worker(s): fewer than "
             f"one batch of train.batch_size={batch_size}; lower train.batch_size or use more data")
-    return _decoded_batches(split, cfg, device, normalise, rank, world_size, skip)
+    return _decoded_batches(split, cfg, device, normalise, rank, world_size, skip, start_step)
 
 
 def _decoded_batches(split: EncodedSplit, cfg: Config, device: torch.device, normalise: Transform,
-                     rank: int, world_size: int, skip: Optional[Skipped]) -> Iterator[Batch]:
+                     rank: int, world_size: int, skip: Optional[Skipped], start_step: int) -> Iterator[Batch]:
     batch_size, seed = cfg.train.batch_size, cfg.train.seed
     n = len(split.labels)
     per_rank = n // world_size
@@ -138,12 +140,12 @@ def _decoded_batches(split: EncodedSplit, cfg: Config, device: torch.device, nor
     def decoded() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         rebatch = Rebatcher(batch_size)
         with ThreadPoolExecutor(threads, thread_name_prefix="rayvit-decode") as pool:
-            epoch = 0
+            epoch, first = divmod(start_step, per_rank // batch_size)
             while True:
                 perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
                 share = perm[: per_rank * world_size][rank::world_size].tolist()
                 full = 0
-                for start in range(0, len(share) - batch_size + 1, batch_size):
+                for start in range(first * batch_size, len(share) - batch_size + 1, batch_size):
                     rows = share[start:start + batch_size]
                     images = torch.empty((len(rows), 3, spec.size, spec.size), dtype=torch.uint8)
                     rngs = [random.Random((seed * 1_000_003 + epoch) * 10_000_019 + r) for r in rows]
@@ -158,10 +160,10 @@ def _decoded_batches(split: EncodedSplit, cfg: Config, device: torch.device, nor
                         # Pinned host memory: the copy to a GPU below overlaps the step (non_blocking).
                         yield (x.pin_memory(), y.pin_memory()) if pin else (x, y)
                 rebatch.clear()          # an epoch's last partial batch is dropped, as without corrupt rows
-                if full == 0:
+                if full == 0 and first == 0:
                     raise CorruptImageError(f"rank {rank}'s train share has no full batch of readable images "
                                             f"({len(skip or ())} corrupt images skipped)")
-                epoch += 1
+                epoch, first = epoch + 1, 0
 
     source = decoded() if cfg.data.prefetch_batches == 0 else prefetched(decoded(), cfg.data.prefetch_batches)
     for images, labels in source:

@@ -24,6 +24,8 @@ def synthetic_batches(cfg: Config, device: torch.device, rank: int = 0) -> list[
     return out
 
 
-def synthetic_train(batches: list[Batch]) -> Iterator[Batch]:
-    """Cycle the fixed batches forever (no per-step work beyond handing out a reference)."""
-    return itertools.cycle(batches)
+def synthetic_train(batches: list[Batch], start_step: int = 0) -> Iterator[Batch]:
+    """Cycle the fixed batches forever (no per-step work beyond handing out a reference), from the one
+    optimizer step ``start_step`` draws."""
+    first = start_step % len(batches)
+    return itertools.cycle(batches[first:] + batches[:first])

@@ -38,6 +38,9 @@ fail here is never reported as passed):
                photographs match the CPU decoder's (N/A without torchvision), with both paths' rates
   state        fairscale_fsdp and fsdp: model state per rank the same with and without
                reshard_after_forward, with and without a validation split (an evaluation's forward)
+  final model  fairscale_fsdp and fsdp: after training and the final evaluation, the model a run's final
+               checkpoint holds (its shards consolidated, or gathered onto rank 0) equals the strategy's
+               own full state
   rounds       ddp, fairscale_fsdp and fsdp in one group's rounds: free device memory after each run the
                same in round 2 as in round 1 (FairScale's process groups made before round 1); a NaN loss
                on one of two ranks (NCCL, two GPUs) ends that run on both, and the rounds go on; NCCL's
@@ -76,6 +79,7 @@ from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check
 from rayvit.gpu_check.cases import one_line  # noqa: E402
 from rayvit.gpu_check.decode import check_gpu_decode  # noqa: E402,F401
 from rayvit.gpu_check.ladder import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
+from rayvit.gpu_check.checkpoints import check_final_model  # noqa: E402
 from rayvit.gpu_check.recompute import check_recompute_dtype  # noqa: E402,F401
 from rayvit.gpu_check.rounds import (check_cold_compile, check_collective_counts, check_group_memory,  # noqa: E402,F401
                                      check_nan_on_one_rank, check_out_of_step, check_state_after_evaluation)
@@ -198,11 +202,13 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
 
 
 def worker_group_checks(device) -> list[tuple[str, Callable[[], str]]]:
-    """The cases of a worker group's rounds: state per rank, free memory per round, one rank's failure."""
+    """The cases of a worker group's runs: state per rank and the final model after an evaluation, free memory per
+    round, one rank's failure, collectives out of step."""
     checks: list[tuple[str, Callable[[], str]]] = []
     for strategy, mode, dtype in (("fairscale_fsdp", "mixed", "fp16"), ("fsdp", "mixed", "bf16")):
-        checks.append((f"state bytes {strategy} {mode}-{dtype} after eval",
-                       partial(check_state_after_evaluation, device, strategy, mode, dtype)))
+        for what, check in (("state bytes", check_state_after_evaluation), ("final model", check_final_model)):
+            checks.append((f"{what} {strategy} {mode}-{dtype} after eval",
+                           partial(check, device, strategy, mode, dtype)))
     checks.append(("free memory per round (fairscale_fsdp in a group)", partial(check_group_memory, device)))
     checks.append(("nan on one rank (2 GPUs)", partial(check_nan_on_one_rank, device)))
     checks.append(("collective counts (nccl, 1 rank)", partial(check_collective_counts, device)))

@@ -3,8 +3,17 @@ what it reports to Ray Train and when, and the config it takes (:func:`loop_conf
 
 Every ``train.report_every`` steps a worker reports its running figures; the last report (``final``
 true), after the final evaluation, carries the run's summary and a checkpoint (rank 0 writes the summary
-into it), so that Ray Train builds ``result.metrics`` from it. A worker group measuring rounds
+into it), so that Ray Train builds ``result.metrics`` from it. That checkpoint also holds the trained
+model (``final_model``, the default): whole from rank 0, or in FairScale FSDP's own sharded layout, so
+``load_checkpoint(result.checkpoint).model`` is the model. A worker group measuring rounds
 (``config["group"]``) reports nothing and returns every round's results instead.
+
+Ray Train registers a reported checkpoint only once its controller has taken every rank's report of it,
+which it polls every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s by default), while ``ray.train.report``
+returns as soon as the report is queued on the worker. A group lost between the two loses the
+checkpoint, and its replacement starts from an older one, or from step 0. So after every checkpoint but
+the last, the workers wait until Ray Train has committed it (:func:`_committed`): a checkpoint, once
+written, survives a failure that follows it, whatever the report cadence and the tick.
 """
 
 from __future__ import annotations
@@ -23,18 +32,23 @@ from ray.train import Checkpoint
 from rayvit.config import Config, ConfigError, as_config, from_dict
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
+from rayvit.worker.checkpoint import resumable
 
 logger = logging.getLogger(__name__)
 
 # The key of the final report, and the file rank 0 writes the summary into in its checkpoint.
 FINAL_KEY = "final"
 SUMMARY_FILE = "rayvit_summary.json"
+# The loop config's key saying whether the final checkpoint carries the trained model.
+FINAL_MODEL_KEY = "final_model"
 
 
-def loop_config(cfg: Config | dict) -> dict[str, Any]:
+def loop_config(cfg: Config | dict, *, final_model: bool = True) -> dict[str, Any]:
     """The ``train_loop_config`` of :func:`train_loop_per_worker` for ``cfg``, validated here on the driver
-    (a typo is a ``ConfigError`` now, not a worker's error seconds later)."""
-    return {"rayvit": as_config(cfg).to_dict()}
+    (a typo is a ``ConfigError`` now, not a worker's error seconds later). ``final_model``: the final
+    checkpoint carries the trained model (else only the summary, and the state ``train.checkpoint_every``
+    writes)."""
+    return {"rayvit": as_config(cfg).to_dict(), FINAL_MODEL_KEY: final_model}
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -105,30 +119,45 @@ def _check_worker_matches(cfg: Config) -> None:
 
 def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards: Optional[dict]) -> RunResult:
     t = cfg.train
+    final_model = config.get(FINAL_MODEL_KEY, True)
 
     def report(metrics: dict, session: Session) -> None:
         final = bool(metrics.get(FINAL_KEY))
-        if final or (t.checkpoint_every and session.step % t.checkpoint_every == 0):
-            with tempfile.TemporaryDirectory() as tmp:
-                if t.checkpoint_every:
-                    session.save_checkpoint(tmp)
-                if final and session.rank == 0:
-                    # Ray Train builds Result.metrics from the last report that carried a checkpoint: the
-                    # final one always does, with the summary in it, so result.metrics holds the figures.
-                    with open(os.path.join(tmp, SUMMARY_FILE), "w") as f:
-                        json.dump(metrics, f, default=str)
-                # Ranks that wrote nothing (replicated strategies: rank 0 writes the full copy) report none.
-                checkpoint = Checkpoint.from_directory(tmp) if os.listdir(tmp) else None
-                ray.train.report(metrics, checkpoint=checkpoint)
-        else:
+        if not (final or (t.checkpoint_every and session.step % t.checkpoint_every == 0)):
             ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            if t.checkpoint_every:
+                session.save_checkpoint(tmp)           # what a run continues from
+            elif final and final_model:
+                session.save_model(tmp)                # the model alone
+            if final and session.rank == 0:
+                # Ray Train builds Result.metrics from the last report that carried a checkpoint: the
+                # final one always does, with the summary in it, so result.metrics holds the figures.
+                with open(os.path.join(tmp, SUMMARY_FILE), "w") as f:
+                    json.dump(metrics, f, default=str)
+            # Ranks that wrote nothing (replicated strategies: rank 0 writes the full copy) report none.
+            checkpoint = Checkpoint.from_directory(tmp) if os.listdir(tmp) else None
+            ray.train.report(metrics, checkpoint=checkpoint)
+        if not final:
+            _committed()
 
     checkpoint = ray.train.get_checkpoint()
     with (checkpoint.as_directory() if checkpoint else contextlib.nullcontext()) as resume_from:
-        if resume_from is not None and not os.path.exists(os.path.join(resume_from, "meta.json")):
-            resume_from = None      # a summary-only final checkpoint: nothing to resume from
+        if resume_from is not None and not resumable(resume_from):
+            resume_from = None      # a final checkpoint with the model alone, or the summary: nothing to resume
         return train(cfg, device=device, dataset_shards=shards, report=report, resume_from=resume_from,
                      on_step=config.get("progress"))
+
+
+def _committed() -> None:
+    """Wait until Ray Train has registered every checkpoint reported so far (the module's docstring): at
+    most one controller tick, between steps, never inside a timed one. Checked on Ray 2.60. An older Ray
+    without ``CheckpointConsistencyMode`` is not asked: before ray-project/ray#58870 the call could wait
+    forever after reports that carried no checkpoint."""
+    mode = getattr(ray.train, "CheckpointConsistencyMode", None)
+    if mode is not None:
+        ray.train.get_all_reported_checkpoints(consistency_mode=mode.COMMITTED)
 
 
 def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:

@@ -167,7 +167,7 @@ class RayvitTrainer(TorchTrainer):
     def __init__(self, cfg: Config | dict, *, scaling_config: Optional[ScalingConfig] = None,
                  run_config: Optional[RunConfig] = None, datasets: Optional[dict] = None,
                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
-                 group: Optional[list[Config]] = None, rounds: int = 1) -> None:
+                 group: Optional[list[Config]] = None, rounds: int = 1, final_model: bool = True) -> None:
         cfg = as_config(cfg)
         for each in [cfg, *(group or [])]:
             check_with_torch(each)          # a config validated before torch was loaded was not asked
@@ -192,7 +192,7 @@ class RayvitTrainer(TorchTrainer):
             from rayvit.data import ray_datasets
 
             datasets = ray_datasets(cfg)
-        config = {**loop_config(cfg), "progress": progress, "links": measure_links,
+        config = {**loop_config(cfg, final_model=final_model), "progress": progress, "links": measure_links,
                   "group": [c.to_dict() for c in group] if group is not None else None, "rounds": rounds}
         super().__init__(train_loop_per_worker, train_loop_config=config,
                          scaling_config=scaling_config or _scaling(cfg),
@@ -213,7 +213,8 @@ class RayvitTrainer(TorchTrainer):
 
 
 def make_trainer(cfg: Config | dict | str, *, scaling_config: Optional[ScalingConfig] = None,
-                 run_config: Optional[RunConfig] = None, datasets: Optional[dict] = None) -> RayvitTrainer:
+                 run_config: Optional[RunConfig] = None, datasets: Optional[dict] = None,
+                 final_model: bool = True) -> RayvitTrainer:
     """A ``ray.train.torch.TorchTrainer`` that trains ``cfg`` (a Config, its dict or a config file / shipped
     name) with rayvit's loop: one worker per chip, gloo on CPU and nccl on GPU.
 
@@ -229,20 +230,24 @@ def make_trainer(cfg: Config | dict | str, *, scaling_config: Optional[ScalingCo
     last one (``final`` true) carries the run's summary: every figure of
     :data:`rayvit.results.METRIC_KEYS` the run has, with ``<key>_lo``/``<key>_hi`` for the throughput
     figures, the final ``val_accuracy``, and the run's conditions; it carries a checkpoint, so
-    ``result.metrics`` holds it (the whole summary is also ``result.return_value``).
+    ``result.metrics`` holds it (the whole summary is also ``result.return_value``). That checkpoint
+    holds the trained model (``final_model=True``): ``load_checkpoint(result.checkpoint).model``; with
+    ``train.checkpoint_every > 0`` all a run continues from, as every N steps' checkpoint does. A lost
+    worker's group restarts from the latest (``train.max_failures``).
     """
-    return RayvitTrainer(cfg, scaling_config=scaling_config, run_config=run_config, datasets=datasets)
+    return RayvitTrainer(cfg, scaling_config=scaling_config, run_config=run_config, datasets=datasets,
+                         final_model=final_model)
 
 
 def build_trainer(cfg: Config | dict, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
                   progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
-                  group: Optional[list[Config]] = None, rounds: int = 1) -> RayvitTrainer:
+                  group: Optional[list[Config]] = None, rounds: int = 1, final_model: bool = True) -> RayvitTrainer:
     """:func:`make_trainer` with rayvit's own options: ``progress`` is called by every worker after every
     step (:mod:`rayvit.launch.progress`); ``measure_links``: options of the collective microbenchmark the
     workers run after training (``{}`` for the defaults), returned in ``RunResult.links``; ``group``:
     configs to measure on these workers in ``rounds`` interleaved rounds instead (:func:`fit_group`)."""
     return RayvitTrainer(cfg, datasets=datasets, run_config=run_config, progress=progress,
-                         measure_links=measure_links, group=group, rounds=rounds)
+                         measure_links=measure_links, group=group, rounds=rounds, final_model=final_model)
 
 
 @process_state.keeps_process_state
@@ -336,9 +341,10 @@ def _run(cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
     ``TrainingError``."""
     ensure_ray()                   # before the progress channel, an actor
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
+    # fit() returns the summary, not the checkpoint: its final one need not carry the model.
     trainer = build_trainer(cfgs[0], datasets=datasets, run_config=run_config,
                             progress=channel.poster() if on_progress else None, measure_links=measure_links,
-                            group=group, rounds=rounds)
+                            group=group, rounds=rounds, final_model=False)
     try:
         with channel:
             result = trainer.fit()

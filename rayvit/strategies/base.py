@@ -261,18 +261,30 @@ class Strategy(StrategyCosts):
 
     def save(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Replicated state: rank 0 writes one full copy (model, optimizer, master weights)."""
-        import torch
-
         from rayvit.training import checkpoint
 
         optim_state = self.optimizer_state_dict(optimizer)
         if rank() == 0:
-            state = {"model": self.unwrap(model).state_dict(), "optim": optim_state}
-            if self.masters is not None:
-                # By parameter name: checkpoint.load_checkpoint puts them in place of the half weights.
-                state["masters"] = {name: self.masters.master_of(p).detach()
-                                    for name, p in self.unwrap(model).named_parameters() if p.dtype != torch.float32}
-            checkpoint.save_full_state(directory, state)
+            checkpoint.save_full_state(directory, {**self._model_state(model), "optim": optim_state})
+
+    def save_model(self, directory: str, model: nn.Module) -> None:
+        """The model alone, for ``rayvit.worker.checkpoint.load_checkpoint`` (every rank calls it): rank 0
+        writes the full copy, as :meth:`save` does without the optimizer. Sharded strategies gather it onto
+        rank 0 or write their own layout."""
+        from rayvit.training import checkpoint
+
+        if rank() == 0:
+            checkpoint.save_full_state(directory, self._model_state(model))
+
+    def _model_state(self, model: nn.Module) -> dict:
+        import torch
+
+        state = {"model": self.unwrap(model).state_dict()}
+        if self.masters is not None:
+            # By parameter name: checkpoint.load_checkpoint puts them in place of the half weights.
+            state["masters"] = {name: self.masters.master_of(p).detach()
+                                for name, p in self.unwrap(model).named_parameters() if p.dtype != torch.float32}
+        return state
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch

@@ -318,6 +318,14 @@ class FairScaleFSDP(FairScaleFSDPCosts, Strategy):
         torch.save({"model": model.local_state_dict(), "optim": optimizer.state_dict(),
                     "metadata": model.local_metadata_dict()}, os.path.join(directory, f"rank{rank()}.pt"))
 
+    def save_model(self, directory: str, model: nn.Module) -> None:
+        # Its own layout, without the optimizer: each rank's flat shard and its metadata, consolidated offline
+        # by load_checkpoint. (FairScale's full state_dict() would gather the whole model onto every rank.)
+        import torch
+
+        torch.save({"model": model.local_state_dict(), "metadata": model.local_metadata_dict()},
+                   os.path.join(directory, f"rank{rank()}.pt"))
+
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from rayvit.strategies.base import Strategy, StrategyCosts, world_size
+from rayvit.strategies.base import Strategy, StrategyCosts, rank, world_size
 from rayvit.strategies.costs import (Layout, Message, ShardGroup, StateBytes, chunk_local, sharded_messages,
                                      sharded_transient, tensor_state)
 from rayvit.strategies.shapes import ROOT_UNIT, fsdp_units
@@ -134,6 +134,18 @@ class FSDP(FSDPCosts, Strategy):
 
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
+
+    def save_model(self, directory: str, model: nn.Module) -> None:
+        # Gathered onto rank 0, each parameter offloaded to its CPU as it is gathered: one file written from
+        # one node, as a replicated strategy writes it (the other ranks get nothing; fp32 under mixed,
+        # where the sharded parameters are the master copy).
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from rayvit.training.checkpoint import save_full_state
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank() == 0:
+            save_full_state(directory, {"model": state})
 
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp

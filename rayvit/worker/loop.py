@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from rayvit.errors import DivergedError, InjectedFault
 from rayvit import process_state
 from rayvit.config import Config, as_config
-from rayvit.data import build_data
+from rayvit.data import Data, build_data
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
 from rayvit.training import hardware
-from rayvit.training import checkpoint
 from rayvit.worker import agree, compiling, metrics
+from rayvit.worker import checkpoint as session_checkpoint
 from rayvit.training.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.training.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
@@ -45,6 +45,20 @@ class Session:
         self._threads_before, self._excepthook_before = torch.get_num_threads(), sys.excepthook
         # model.compile: the caches it compiles with; made before anything compiles (rayvit.worker.compiling).
         self._compile_scope = compiling.CompileScope(cfg.model, self.device)
+        self.owns_process_group = False
+        self.data: Optional[Data] = None
+        self.model = self.forward = self.optimizer = None
+        # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
+        self.sampler: Optional[Sampler] = None
+        try:
+            self._build(dataset_shards)
+        except BaseException:
+            # A setup that fails releases what it made: nobody holds this session to close() it.
+            self._release()
+            raise
+
+    def _build(self, dataset_shards: Optional[dict]) -> None:
+        cfg = self.cfg
         if self.device.type == "cpu":
             # A worker uses exactly the CPUs it was given; more threads than cores only thrash. (Ray sets
             # OMP_NUM_THREADS to them already; torch's intra-op count also sets OpenMP's and MKL's. The
@@ -71,6 +85,7 @@ class Session:
 
         self.step = 0                         # optimizer steps completed, across restarts
         self.restarts = 0
+        self.data_fresh_starts = 0            # restarts after which the input started afresh (load_checkpoint)
         self.history: list[dict] = []         # per step: step, loss, lr, step_time_s
         self.evals: list[dict] = []
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
@@ -78,8 +93,6 @@ class Session:
         self.warmup_step_times: list[float] = []   # this attempt's warm-up steps (model.compile compiles there)
         self.steps_this_attempt = 0
         self.skipped_steps = 0
-        # NVML readings during this attempt's timed steps (CUDA only): created with the first timed step.
-        self.sampler: Optional[Sampler] = None
         self._sampler_tried = False
         self._state_bytes: Optional[int] = None    # model state after the last step (model_state_bytes)
         self._compile_scope.enter()                # last: nothing after it can fail and leave it open
@@ -213,6 +226,8 @@ class Session:
                    "timed_steps": len(self.step_times)}
         if self.evals:
             figures["val_accuracy"] = self.evals[-1]["val_accuracy"]
+        if self.restarts:
+            figures["data_fresh_starts"] = self.data_fresh_starts
         return figures
 
     # ---------------------------------------------------------------------------------------------
@@ -277,6 +292,8 @@ class Session:
         }
         if self.evals and "val_accuracy" in self.evals[-1]:
             figures["val_accuracy"] = self.evals[-1]["val_accuracy"]
+        if self.restarts:
+            figures["data_fresh_starts"] = float(self.data_fresh_starts)
         if self.cfg.model.compile:
             figures["compile_time_s"] = stats[2]      # the slowest rank's
             figures["compile_graphs"] = float(compiling.graphs_compiled() - self._graphs_before)
@@ -326,50 +343,42 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        """Write this run's state to ``directory``: the strategy's model and optimizer, rank 0's progress."""
-        self.strategy.save(directory, self.model, self.optimizer)
-        if self.rank == 0:
-            checkpoint.write_meta(directory, {
-                "step": self.step, "restarts": self.restarts, "history": self.history, "evals": self.evals,
-                "scheduler": self.scheduler.state_dict(), "strategy": self.cfg.parallel.strategy,
-                "config": self.cfg.to_dict(),
-                "loss_scale": self.precision.scaler.scale if self.precision.scaler else None})
+        """Write what this run continues from into ``directory`` (:func:`session_checkpoint.save_state`)."""
+        session_checkpoint.save_state(self, directory)
+
+    def save_model(self, directory: str) -> None:
+        """Write the model alone, whole, into ``directory`` (:func:`session_checkpoint.save_model`)."""
+        session_checkpoint.save_model(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        """Continue from a checkpoint: its weights, optimizer, schedule, loss scale, steps and history."""
-        meta = checkpoint.read_meta(directory)
-        if meta["strategy"] != self.cfg.parallel.strategy:
-            raise ValueError(f"checkpoint in {directory} was written by strategy {meta['strategy']}, "
-                             f"not {self.cfg.parallel.strategy}")
-        self.strategy.load(directory, self.model, self.optimizer)
-        self.scheduler.load_state_dict(meta["scheduler"])
-        if self.precision.scaler is not None and meta["loss_scale"]:
-            self.precision.scaler.scale = meta["loss_scale"]
-        self.step, self.history, self.evals = meta["step"], meta["history"], meta["evals"]
-        self.restarts = meta["restarts"] + 1
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
-        # Continue the data stream where the crashed attempt's checkpoint left it.
-        for _ in range(self.step):
-            next(self.data.train)
+        """Continue from a checkpoint (:func:`session_checkpoint.resume`)."""
+        session_checkpoint.resume(self, directory)
 
     def close(self) -> None:
-        """Stop the sampler; release the model; end the one-rank process group if this session made it.
+        """Stop the sampler and the data; release the model; end the one-rank process group if this
+        session made it; put back the thread count and excepthook."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.data is not None:
+            self.data.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Release the model, the compile scope and the one-rank process group this session made, and put
+        the thread count and excepthook back: what close() ends with, and all a failed setup needs.
 
         The wrapped model (DDP's reducer, the sharded wrappers) holds the process group. Destroyed first
         and collected later, gloo's destructor could wait forever on its own threads (seen in a test
         run: ``~ProcessGroupGloo`` joining inside ``~Reducer``), so the model goes before the group.
         """
-        if self.sampler is not None:
-            self.sampler.stop()
-        self.data.close()
         self.forward = self.model = self.optimizer = None
         self._compile_scope.close()
         if self.owns_process_group and dist.is_initialized():
             gc.collect()
             dist.destroy_process_group()
             sys.excepthook = self._excepthook_before
-            self.strategy.forget_process_groups()      # they belonged to the group just destroyed
+            # Their groups belonged to the group just destroyed.
+            strategy_class(self.cfg.parallel.strategy).forget_process_groups()
         torch.set_num_threads(self._threads_before)
 
 

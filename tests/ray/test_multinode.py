@@ -67,7 +67,9 @@ import ray
 from ray.util.state import list_actors
 from rayvit.config import ConfigError, from_dict
 from rayvit.launch.connect import started_local
-from rayvit.trainer import TrainingError, ensure_ray, fit
+from rayvit.config import load_config
+from rayvit.trainer import (ensure_ray, fit, load_checkpoint, loop_config, make_trainer, scaling_config,
+                            train_loop_per_worker)
 
 spec = json.load(open(sys.argv[1]))
 events = open(spec["events"], "a", buffering=1)
@@ -110,16 +112,38 @@ def watch():
         time.sleep(0.25)
 
 threading.Thread(target=watch, daemon=True).start()
+def own_trainer(cfg, run):
+    """A user's own TorchTrainer and RunConfig: nothing of rayvit's settings, Ray Train's own."""
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config(cfg),
+                        scaling_config=scaling_config(cfg),
+                        run_config=RunConfig(name=run["name"], storage_path=run["storage"],
+                                             failure_config=FailureConfig(max_failures=cfg.train.max_failures)))
+
+def trained(run):
+    """fit(), or (how: make_trainer / own) a TorchTrainer's fit() and its final checkpoint read back."""
+    cfg = load_config(run["config"], run["overrides"]) if run.get("config") else from_dict({}, run["overrides"])
+    how = run.get("how", "fit")
+    if how == "fit":
+        return {"result": fit(cfg).to_dict()}
+    trainer = make_trainer(cfg) if how == "make_trainer" else own_trainer(cfg, run)
+    result = trainer.fit()
+    loaded = load_checkpoint(result.checkpoint)
+    return {"result": result.return_value, "metrics": {k: result.metrics.get(k) for k in ("step", "restarts", "final")},
+            "loaded": {"step": loaded.step, "parameters": sum(p.numel() for p in loaded.model.parameters())}}
+
 for run in spec["runs"]:
     current["run"] = run["name"]
     os.environ["RAYVIT_HOME"] = run["home"]          # the node-local default storage, if none is set
     record(event="start")
     try:
-        record(event="done", result=fit(from_dict({}, run["overrides"])).to_dict())
-    except TrainingError as e:
-        record(event="failed", error=str(e))
+        record(event="done", **trained(run))
     except ConfigError as e:                         # rayvit.launch.storage.StorageError among them
         record(event="refused", error=str(e))
+    except Exception as e:                           # TrainingError from fit(); Ray's own from a trainer's
+        record(event="failed", error=f"{type(e).__name__}: {e}")
 time.sleep(0.5)                                      # let the watcher log the workers' exit
 '''
 
@@ -190,6 +214,15 @@ class Driver:
             self.stop()
             raise AssertionError(f"driver still running after {timeout:.0f} s:\n{self.tail()}") from None
 
+    def events_at_end(self, timeout: float) -> list[dict]:
+        """Wait for the driver to exit (stopped past ``timeout``); its events, once it exited cleanly."""
+        try:
+            rc = self.wait(timeout=timeout)
+        finally:
+            self.stop()
+        assert rc == 0, self.tail()
+        return self.events()
+
     def wait_for(self, what: str, condition, timeout: float) -> None:
         deadline = time.time() + timeout
         while not condition():
@@ -233,13 +266,7 @@ def test_checkpointing_to_node_local_storage_is_refused(cluster, tmp_path):
     refused before any Train worker starts, with a message that says what to set."""
     cluster.ensure_worker()
     home = tmp_path / "home"
-    driver = cluster.driver("refused", [{"name": "refused", "home": str(home), "overrides": RUN}])
-    try:
-        rc = driver.wait(timeout=90)
-    finally:
-        driver.stop()
-    events = driver.events()
-    assert rc == 0, driver.tail()
+    events = cluster.driver("refused", [{"name": "refused", "home": str(home), "overrides": RUN}]).events_at_end(90)
     refused = _one(events, "refused", "refused")["error"]
     assert "2 nodes of this cluster can each host its workers" in refused, refused
     assert "launch.storage" in refused and "s3://" in refused and "train.checkpoint_every=5" in refused
@@ -333,3 +360,37 @@ def test_node_loss_without_a_replacement_fails_after_start_timeout(cluster, tmp_
     waited = failed["t"] - killed_at
     assert waited >= timeout_s, f"failed {waited:.1f} s after the loss, before the start timeout"
     print(f"\nworker node killed, not replaced: run failed {waited:.1f} s later: {failed['error'][:160]}")
+
+
+# cpu_default at its shipped report cadence (one report per 35 steps): the step-10 checkpoint's report is
+# the only one before rank 1's process exits at step 15, as a lost worker's would.
+LOST_WORKER = ["parallel.num_workers=2", "data.name=digits", "train.steps=30", "train.checkpoint_every=10",
+               "train.max_failures=1", "train.fail_at_step=15", "train.fail_rank=1", "train.fail_mode=exit"]
+
+
+def test_a_lost_worker_resumes_from_the_checkpoint_before_it_whatever_the_report_cadence(cluster, tmp_path):
+    """A checkpoint, once written, survives the failure that follows it: rank 1 lost 5 steps after the
+    step-10 checkpoint, each run resumes there (``restarts`` 1, every step once) and its final checkpoint
+    is the model, read back by ``load_checkpoint``. On this cluster Ray Train keeps its own health-check
+    tick: Ray's 2 s under the user's own ``TorchTrainer`` and ``RunConfig``, rayvit's 0.5 s under
+    ``make_trainer``; a checkpoint reported between two of its polls was lost with the group."""
+    cluster.ensure_worker()
+    shared = tmp_path / "shared"
+    runs = [{"name": "lost-make-trainer", "how": "make_trainer", "config": "cpu_default", "home": str(tmp_path / "a"),
+             "overrides": LOST_WORKER + [f"launch.storage={shared}"]},
+            {"name": "lost-own-trainer", "how": "own", "config": "cpu_default", "home": str(tmp_path / "b"),
+             "storage": str(shared), "overrides": LOST_WORKER}]
+    assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in cluster.env
+    events = cluster.driver("lost-worker", runs).events_at_end(300)
+    for run in runs:
+        name = run["name"]
+        started = _one(events, "start", name)["t"]
+        failed = [e for e in events if e["event"] == "failed" and e["run"] == name]
+        assert not failed, f"{name}: {failed[0]['error'][-1500:]}"
+        done = _one(events, "done", name)
+        result = done["result"]
+        assert result["restarts"] == 1, f"{name} never resumed"
+        assert [h["step"] for h in result["history"]] == list(range(30)), f"{name}: steps trained twice or lost"
+        assert done["metrics"] == {"step": 30, "restarts": 1, "final": True}
+        assert done["loaded"]["step"] == 30 and done["loaded"]["parameters"] > 0
+        print(f"\n{name}: rank 1 lost at step 15, resumed from step 10; the run took {done['t'] - started:.1f} s")

@@ -65,6 +65,9 @@ def test_a_users_process_left_as_found_and_the_readme_examples_run_as_written(tm
     # make_trainer: the headline figures, their interval and the final accuracy in result.metrics.
     tflops, lo, hi, mfu, accuracy = (float(v) for v in after("TFLOPS per chip, its interval, MFU, accuracy:"))
     assert 0 < lo <= tflops <= hi and 0 < mfu < 1 and 0 < accuracy <= 1
+    # Its final checkpoint is the trained model, read back as one plain model.
+    kind, parameters, _ = after("trained model:")
+    assert kind == "VisionTransformer" and int(parameters) > 0
     assert float(after("images/s per chip:")[0]) > 0               # a hand-built TorchTrainer's result
     # The caller's own Ray Dataset of encoded photographs, decoded by rayvit, its input wait measured.
     assert 0 <= float(after("own dataset:")[0]) <= 1

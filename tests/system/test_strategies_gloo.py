@@ -398,3 +398,51 @@ def test_compiled_training_matches_eager_ontwo_ranks(tmp_path, strategy, mode):
     if strategy != "fsdp":       # replicated weights stay identical across ranks
         for a, b in zip(runs[0][True]["shards"], runs[1][True]["shards"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- a finished run's model, gathered -----------------------------------------------------------------------
+
+
+FINAL_MODEL_CASES = [("ddp", []), ("fsdp", ["parallel.reshard_after_forward=false"]), ("fsdp", ["precision.mode=mixed"]),
+                     ("fairscale_oss", [])]
+
+
+def _final_models(rank: int, folder: str) -> list[list[str]]:
+    """Per case, after two steps and the final evaluation: the model alone, each rank into a folder of its
+    own (what each rank writes), and the full resumable state, both ranks into one (as Ray merges them)."""
+    import os
+
+    from rayvit.worker import Session
+
+    written = []
+    for i, (strategy, overrides) in enumerate(FINAL_MODEL_CASES):
+        session = Session(load_config(overrides=TINY + ["data.name=digits", f"parallel.strategy={strategy}",
+                                                        *overrides]))
+        try:
+            for _ in range(2):
+                session.clear_grads()
+                session.train_step()
+            session.evaluate()
+            session.save_model(os.path.join(folder, str(i), f"model{rank}"))
+            session.save_checkpoint(os.path.join(folder, str(i), "full"))
+        finally:
+            session.close()
+        mine = os.path.join(folder, str(i), f"model{rank}")
+        written.append(sorted(os.listdir(mine)) if os.path.isdir(mine) else [])
+    return written
+
+
+def test_a_finished_runs_model_is_gathered_whole_on_rank_0(tmp_path):
+    """Every strategy that trains on CPU writes its final model as one file from rank 0 alone (FSDP2
+    gathers its shards there, also after an evaluation left them gathered without resharding), and that
+    model is the one the full, sharded checkpoint consolidates to."""
+    from rayvit.worker.checkpoint import load_checkpoint
+
+    rank0, rank1 = two_ranks(tmp_path, _final_models, str(tmp_path))
+    for i, case in enumerate(FINAL_MODEL_CASES):
+        assert rank0[i] == ["meta.json", "state.pt"] and rank1[i] == [], case
+        alone, full = load_checkpoint(tmp_path / str(i) / "model0"), load_checkpoint(tmp_path / str(i) / "full")
+        assert alone.optimizer_state is None and full.optimizer_state is not None and alone.step == full.step == 2
+        state = alone.model.state_dict()
+        for key, value in full.model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=f"{case} {key}")

@@ -87,6 +87,28 @@ def test_digits_ranks_share_train_disjointly_and_reshuffle_every_epoch():
     assert [sample_key(x) for b in take(again, steps) for x in b[0]] == epochs[0][1]
 
 
+@pytest.mark.parametrize("name", ["synthetic", "digits", "parquet"])
+def test_the_train_stream_resumes_at_any_step_without_drawing_the_batches_before_it(name, digits_parquet):
+    """A resumed run continues its input where its checkpoint left it: ``train_from(step)`` is the
+    stream an unbroken run draws from that step on, across epoch boundaries, reached by arithmetic on the
+    step (no batch before it is made or decoded)."""
+    extra = {"synthetic": ["data.synthetic_batches=3"], "digits": [],
+             "parquet": [f"data.path={digits_parquet}", "data.prefetch_batches=0"]}[name]
+    cfg = config(f"data.name={name}", "model.image_size=8", "train.batch_size=128", *extra)
+    unbroken = take(build_data(cfg, CPU, rank=1, world_size=2), 14)     # digits: 5 steps per epoch and rank
+    for step in (0, 4, 5, 11):
+        resumed = build_data(cfg, CPU, rank=1, world_size=2).train_from(step)
+        for (x, y), (ux, uy) in zip([next(resumed) for _ in range(3)], unbroken[step:step + 3]):
+            assert torch.equal(x, ux) and torch.equal(y, uy), (name, step)
+
+
+def test_an_input_whose_order_cannot_be_replayed_says_so(digits_parquet):
+    """Corrupt rows dropped (``data.skip_corrupt``) shift every later batch by rows nobody counted: that
+    stream cannot be re-entered by arithmetic, and a resumed run starts it afresh (the loop records it)."""
+    cfg = config("data.name=parquet", f"data.path={digits_parquet}", "data.skip_corrupt=true")
+    assert build_data(cfg, CPU).train_from is None
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 7])
 def test_validation_covers_every_sample_once_with_equal_batch_counts(world):
     cfg = config("data.name=digits", "model.image_size=8", "train.batch_size=32")

@@ -55,6 +55,7 @@ def test_list_names_every_case_without_a_gpu():
                  "reduce fsdp pure-bf16 ->fp32", "reduce fairscale_fsdp mixed-fp16 ->half",
                  "decay fairscale_fsdp flat params", "precision pure-fp16", "7-full_half/w1",
                  "state bytes fairscale_fsdp mixed-fp16 after eval", "free memory per round (fairscale_fsdp in a group)",
+                 "final model fairscale_fsdp mixed-fp16 after eval", "final model fsdp mixed-bf16 after eval",
                  "nan on one rank (2 GPUs)", "collective counts (nccl, 1 rank)", "out of step on one rank (2 GPUs)",
                  "recompute dtype fairscale_fsdp amp-bf16", "recompute dtype fairscale_fsdp mixed-bf16",
                  "activation checkpointing fairscale_fsdp mixed-bf16"):

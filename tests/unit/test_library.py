@@ -15,7 +15,7 @@ from rayvit.results import Comparison, RunResult
 from rayvit.worker import Session, train
 from rayvit.worker.checkpoint import load_checkpoint
 
-from shared import ProcessSnapshot
+from shared import Counted, ProcessSnapshot, checkpointed_after, train_steps
 
 TINY = ["train.steps=4", "train.warmup_steps=1"]
 
@@ -50,6 +50,32 @@ def test_train_and_compare_leave_the_callers_process_as_they_found_it():
     assert comparison.ratio.lo <= comparison.ratio.median <= comparison.ratio.hi
 
 
+def test_a_session_that_fails_to_build_releases_what_it_made(tmp_path):
+    """A setup that fails after the one-rank process group was made (data that cannot be read, the last
+    thing a session builds) releases the group, the excepthook it wrapped and the thread count: the next
+    session makes and ends a group of its own, and train() leaves the process as it found it."""
+    import sys
+
+    import torch.distributed as dist
+
+    broken = load_config("cpu_default", [*TINY, "data.name=parquet", f"data.path={tmp_path / 'missing.parquet'}",
+                                         "model.compile=true"])
+    torch.set_num_threads(2)
+    before = ProcessSnapshot()
+    hook = sys.excepthook
+    with pytest.raises(ConfigError, match="missing.parquet"):
+        Session(broken)
+    assert not dist.is_initialized(), "the failed session left its process group"
+    assert sys.excepthook is hook and torch.get_num_threads() == 2 and before.differences() == []
+    session = Session(load_config("cpu_default", TINY))
+    assert session.owns_process_group
+    session.close()
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="missing.parquet"):
+        train(broken)
+    assert not dist.is_initialized() and before.differences() == []
+
+
 def test_a_trainer_is_checked_on_the_driver_before_any_worker_starts():
     """A typo, a ScalingConfig that disagrees with the config: refused when the trainer is built, in well
     under two seconds, with both values named."""
@@ -82,9 +108,7 @@ def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strat
     cfg = load_config("cpu_default", [*TINY, f"parallel.strategy={strategy}", f"precision.mode={mode}"])
     session = Session(cfg)
     try:
-        for _ in range(3):
-            session.clear_grads()
-            session.train_step()
+        train_steps(session, 3)
         session.save_checkpoint(str(tmp_path))
         if strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -104,6 +128,58 @@ def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strat
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value.float(), msg=key)
     assert loaded.optimizer_state and not loaded.model.training
+
+
+@pytest.mark.parametrize("strategy, overrides", [("ddp", ["precision.mode=fp32"]), ("ddp", ["precision.mode=mixed"]),
+                                                  ("fsdp", ["precision.mode=mixed"]),
+                                                  ("fsdp", ["parallel.reshard_after_forward=false"]),
+                                                  ("fairscale_oss", [])])
+def test_a_finished_runs_model_alone_loads_into_one_plain_model(tmp_path, strategy, overrides):
+    """What a run's final checkpoint holds by default: the model as the optimizer left it, after the final
+    evaluation (which leaves FSDP2's parameters gathered without resharding), with no optimizer state; no
+    run resumes from it."""
+    from rayvit.worker.checkpoint import resumable
+
+    cfg = load_config("cpu_default", [*TINY, "data.name=digits", f"parallel.strategy={strategy}", *overrides])
+    session = Session(cfg)
+    try:
+        train_steps(session, 3)
+        accuracy = session.evaluate()["val_accuracy"]
+        session.save_model(str(tmp_path))
+        session.save_checkpoint(str(tmp_path / "full"))
+    finally:
+        session.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "meta.json", "state.pt"]
+    loaded, full = load_checkpoint(tmp_path), load_checkpoint(tmp_path / "full")
+    assert loaded.step == 3 and loaded.optimizer_state is None and loaded.config == cfg
+    assert not resumable(str(tmp_path)) and resumable(str(tmp_path / "full"))
+    state = loaded.model.state_dict()
+    for key, value in full.model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    assert loaded.evals[-1]["val_accuracy"] == accuracy
+
+
+def test_a_resumed_session_continues_its_input_without_drawing_the_batches_before_it(tmp_path):
+    """Resuming from a step-7 checkpoint on digits: no batch of the first 7 steps is drawn again, the next
+    batch is the one an unbroken run draws at step 7, and the run reports that its input continued."""
+    cfg = load_config("cpu_default", ["data.name=digits", "train.steps=12", "train.warmup_steps=1"])
+    unbroken = Session(cfg)
+    try:
+        expected = [next(unbroken.data.train) for _ in range(8)][7]
+    finally:
+        unbroken.close()
+    checkpointed_after(cfg, 7, tmp_path)
+    resumed = Session(cfg)
+    try:
+        resumed.data.train = counted = Counted(resumed.data.train)
+        resumed.load_checkpoint(str(tmp_path))
+        assert counted.drawn == 0, f"resuming drew the {counted.drawn} batches it skips"
+        images, labels = next(resumed.data.train)
+        assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+        assert resumed.step == 7 and resumed.restarts == 1
+        assert resumed.running_figures()["data_fresh_starts"] == 0
+    finally:
+        resumed.close()
 
 
 def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
@@ -131,6 +207,19 @@ def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
     for key, value in expected.items():
         torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)
     assert isinstance(loaded.optimizer_state, list) and len(loaded.optimizer_state) == 1
+    # The model alone (a run's final checkpoint by default): the same shards without the optimizer.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        FairScaleFSDP.save_model(None, str(alone), wrapped)
+    finally:
+        dist.destroy_process_group()
+    checkpoint.write_meta(str(alone), {"step": 0, "config": cfg.to_dict(), "resumable": False})
+    loaded = load_checkpoint(alone)
+    for key, value in expected.items():
+        torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)
+    assert loaded.optimizer_state is None
 
 
 def test_a_folder_without_a_model_says_how_to_get_one(tmp_path):

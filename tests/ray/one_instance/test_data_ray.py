@@ -11,7 +11,8 @@ import torch
 
 from rayvit.data import build_data, ray_datasets
 
-from shared import CPU, WHOLE_IMAGES, config, export_photos_parquet, sample_key, take
+from shared import (CPU, WHOLE_IMAGES, Counted, checkpointed_after, config, export_photos_parquet, sample_key,
+                    take, train_steps)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -118,3 +119,28 @@ def test_dataset_columns_are_checked_on_the_driver(local_ray, digits_parquet):
         check_dataset(renamed, cfg)
     ok = config("data.image_column=pixels", "data.label_column=y", "model.image_size=16")
     assert check_dataset(renamed, ok) == "decoded"
+
+
+def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip_and_says_so(local_ray, digits_parquet,
+                                                                                            tmp_path):
+    """Ray Data's order cannot be replayed: a session resumed from a step-4 checkpoint draws none of the
+    4 batches it would skip (each a decode through the whole pipeline), starts a new pass over its shard,
+    and its summary says the input started afresh once."""
+    from rayvit.config import load_config
+    from rayvit.worker import Session
+
+    cfg = load_config("cpu_default", ["data.name=parquet", f"data.path={digits_parquet}", "train.steps=6",
+                                      "train.warmup_steps=1"])
+    datasets = ray_datasets(cfg)
+    checkpointed_after(cfg, 4, tmp_path, dataset_shards={"train": datasets["train"].iterator()})
+    resumed = Session(cfg, dataset_shards={"train": datasets["train"].iterator()})
+    try:
+        resumed.data.train = counted = Counted(resumed.data.train)
+        resumed.load_checkpoint(str(tmp_path))
+        assert counted.drawn == 0, f"resuming drew {counted.drawn} batches to skip"
+        train_steps(resumed, 2)
+        result = resumed.summary(0.0)
+    finally:
+        resumed.close()
+    assert result.restarts == 1 and [h["step"] for h in result.history] == list(range(6))
+    assert result["data_fresh_starts"] == 1 and counted.drawn == 2

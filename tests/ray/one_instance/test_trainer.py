@@ -87,6 +87,37 @@ def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_stat
         assert not [k for k in r.metrics if k.startswith("gpu_") or "reserved" in k]
 
 
+def _accuracy(model, cfg) -> float:
+    """``model``'s accuracy over the whole validation split, in this process."""
+    from rayvit.data import build_data
+
+    correct = count = 0
+    with torch.no_grad():
+        for images, labels in build_data(cfg, torch.device("cpu")).val_batches():
+            correct += (model(images).argmax(-1) == labels).sum().item()
+            count += len(labels)
+    return correct / count
+
+
+def test_the_readme_sequence_gives_any_strategys_trained_model_by_default():
+    """``load_checkpoint(make_trainer(cfg).fit().checkpoint).model`` with default settings (no
+    train.checkpoint_every): the final checkpoint holds the trained model, one file from rank 0 whatever
+    the strategy, and that model scores the validation accuracy the run reported. rayvit's own fit(),
+    which returns a summary, writes no model."""
+    from rayvit.trainer import make_trainer
+
+    for strategy in ("ddp", "fsdp", "fairscale_oss"):
+        cfg = load_config("cpu_default", ["parallel.num_workers=2", "data.name=digits", "train.steps=30",
+                                          f"parallel.strategy={strategy}"])
+        result = make_trainer(cfg).fit()
+        assert sorted(os.listdir(result.checkpoint.path)) == ["meta.json", "rayvit_summary.json", "state.pt"]
+        loaded = load_checkpoint(result.checkpoint)
+        assert loaded.step == 30 and loaded.config == cfg and loaded.optimizer_state is None
+        assert _accuracy(loaded.model, cfg) == pytest.approx(result.metrics["val_accuracy"], abs=1.5 / 360), strategy
+    summary_only = build_trainer(cfg, final_model=False).fit()
+    assert os.listdir(summary_only.checkpoint.path) == ["rayvit_summary.json"]
+
+
 def test_a_crashed_worker_resumes_from_its_checkpoint_with_continuous_history():
     common = ["train.steps=10", "train.warmup_steps=1", "train.checkpoint_every=4", "train.max_failures=1"]
     before = ProcessSnapshot()
