@@ -91,6 +91,42 @@ def test_crops_decode_at_a_dct_scale_when_large_and_match_a_full_decode():
                        transform_image(data, train, random.Random(5)).flip(-1))
 
 
+def test_the_crops_region_alone_decodes_to_a_full_decodes_pixels(photos):
+    """data.cpu_decoder=turbojpeg decodes only the crop's rows and columns (libjpeg-turbo 3's cropping
+    region, at each DCT scale): the same pixels as the box of a full decode, so the same crops as simplejpeg."""
+    import pyarrow.parquet as pq
+
+    from rayvit.data import turbo
+    from rayvit.data.images import decode_scaled
+
+    images = pq.read_table(photos, columns=["image"]).column("image").to_pylist()[:24]
+    rng = random.Random(0)
+    for data in images:
+        width, height, _ = turbo.header(data)
+        for divisor in (1, 2, 4):
+            full = decode_scaled(data, divisor, "simplejpeg")
+            assert full.shape[:2] == (-(-height // divisor), -(-width // divisor))
+            for _ in range(4):
+                x, y, w, h = random_resized_box(full.shape[1], full.shape[0], (0.08, 1.0), (3 / 4, 4 / 3), rng)
+                assert np.array_equal(turbo.decode_region(data, (x, y, w, h), divisor), full[y:y + h, x:x + w])
+        for train in (True, False):
+            region, whole = (transform_image(data, ImageTransform(size=96, train=train, decoder=decoder), random.Random(7))
+                             for decoder in ("turbojpeg", "simplejpeg"))
+            assert torch.equal(region, whole)
+
+
+def test_without_libjpeg_turbo_3_the_region_decoder_says_what_to_install(monkeypatch):
+    from rayvit.data import turbo
+
+    monkeypatch.setattr(turbo, "_library", lambda: (None, "no libturbojpeg found"))
+    monkeypatch.setattr(turbo._Handle._local, "handle", None, raising=False)
+    with pytest.raises(ImportError, match=r"turbojpeg>=0.0.2.*data.cpu_decoder=simplejpeg"):
+        transform_image(_jpeg(64, 48), ImageTransform(size=32, train=True), random.Random(0))
+    # The other decoders do not need it.
+    assert transform_image(_jpeg(64, 48), ImageTransform(size=32, train=True, decoder="simplejpeg"),
+                           random.Random(0)).shape == (3, 32, 32)
+
+
 def test_randaugment_changes_the_crop_and_keeps_its_shape():
     data = _jpeg(500, 375)
     plain = ImageTransform(size=64, train=True)
