@@ -178,6 +178,9 @@ class DataConfig:
     skip_corrupt: bool = False
     # Batches decoded ahead of the step (Ray Data's prefetch_batches; a thread without Ray).
     prefetch_batches: int = 1
+    # Ray Data's progress bars and execution notices for the datasets rayvit runs (off: quiet, as the sweep
+    # console is; set in each dataset's own context, never in the caller's).
+    progress_bars: bool = False
 
 
 @dataclass

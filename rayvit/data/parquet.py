@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import torch
 
 from rayvit.config import Config, ConfigError
-from rayvit.data.batching import Batch, check_num_classes, seeded_split, split_sizes, uint8_normaliser
+from rayvit.data.batching import Batch, EpochStart, check_num_classes, seeded_split, split_sizes, uint8_normaliser
 from rayvit.data.images import CorruptImageError, ImageTransform, transform_batch
 from rayvit.data.pipeline import EncodedSplit, Skipped
-from rayvit.data.rows import RowPlaces, find_row
+from rayvit.data.rows import RowPlaces, find_row, unplaced_row
 
 if TYPE_CHECKING:
     import ray.data
@@ -251,10 +251,7 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
     empty for good rows) for the worker to drop and count.
     """
     encoded = list(batch[image_column])
-    paths = batch.get("path")
-
-    def where(i: int) -> str:
-        return find_row(filesystem, str(paths[i]), image_column, encoded[i]) if paths is not None else "a row"
+    where = row_namer(batch, encoded, image_column, label_column, filesystem)
 
     rng = random.Random()
     images, errors = transform_batch(encoded, spec, [rng] * len(encoded), where)
@@ -264,6 +261,34 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
     else:
         Skipped.check(errors, None)
     return out
+
+
+def row_namer(batch: dict[str, Any], encoded: list, image_column: str, label_column: str,
+              filesystem: pafs.FileSystem) -> Callable[[int], str]:
+    """How a Ray Data map task names row ``i`` of its batch (the whole block: map_batches without a batch
+    size) when its image fails: its file, row and row group where the batch has a ``path`` column
+    (``include_paths``), else its block and offset, label, size and digest; its label either way."""
+    paths, labels = batch.get("path"), batch[label_column]
+    block = _task_index()
+
+    def where(i: int) -> str:
+        if paths is not None:
+            return f"{find_row(filesystem, str(paths[i]), image_column, encoded[i])}, label {labels[i]}"
+        return unplaced_row(encoded[i], labels[i], block, i)
+
+    return where
+
+
+def _task_index() -> Optional[int]:
+    """The running Ray Data map task's index among its operator's tasks (Ray's TaskContext, private; read
+    in Ray 2.60), None where it cannot be read."""
+    try:
+        from ray.data._internal.execution.interfaces.task_context import TaskContext
+
+        context = TaskContext.get_current()
+        return None if context is None else int(context.task_idx)
+    except Exception:  # noqa: BLE001 - a private API: without it the row is named without its block
+        return None
 
 
 def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> dict[str, "ray.data.Dataset"]:
@@ -312,6 +337,23 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
     return datasets
 
 
+def own_context(dataset: "ray.data.Dataset", cfg: Config) -> "ray.data.Dataset":
+    """``dataset`` with a DataContext of its own (a copy), quiet unless ``data.progress_bars``.
+
+    A Dataset derived from another shares its context object, and a read shares the process's current
+    one: settings made for rayvit's execution (the sizes the workers read, quiet progress) would change the
+    caller's dataset and ``DataContext.get_current()``. Ray Data's progress bars print a line per operator
+    every few seconds of every epoch on the driver's console; rayvit runs them only when asked."""
+    from ray.data import Dataset
+
+    out = Dataset.copy(dataset, _deep_copy=True)
+    if not cfg.data.progress_bars:
+        context = out.context
+        context.enable_progress_bars = context.enable_operator_progress_bars = False
+        context.print_on_execution_start = False
+    return out
+
+
 def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
                    filesystem: Optional[pafs.FileSystem] = None) -> "ray.data.Dataset":
     """A Ray Dataset of encoded images (``data.image_column``: bytes, ``data.label_column``: integers) as
@@ -320,14 +362,15 @@ def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
     a corrupt image be named by file and row. Under ``data.decode=gpu`` training rows are only planned
     here and decoded on the worker's GPU (:mod:`rayvit.data.gpu_decode`)."""
     d = cfg.data
+    dataset = own_context(dataset, cfg)
     if d.decode == "gpu" and training:
         from rayvit.data.gpu_decode import plan_batch
 
         return dataset.map_batches(plan_batch, batch_format="numpy", fn_kwargs=dict(
             image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, True)))
-    return dataset.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=dict(
-        image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
-        skip_corrupt=d.skip_corrupt, filesystem=filesystem or pafs.LocalFileSystem()))
+    kwargs = dict(image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
+                  skip_corrupt=d.skip_corrupt, filesystem=filesystem or pafs.LocalFileSystem())
+    return dataset.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=kwargs)
 
 
 def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
@@ -341,21 +384,36 @@ def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int
     split releases the next epoch to all ranks at once: a rank with one batch fewer would wait there
     while the others wait for it in the step's collective).
     """
+    from rayvit.data.pipeline import prefetched
+
     normalise = uint8_normaliser(device)
     batch_size = cfg.train.batch_size
     decode = _device_decoder(cfg, device)
-    epoch = 0
-    while True:
-        steps = 0
-        for batch in _batches(shard, cfg, device, drop_last=True, local_shuffle_buffer_size=max(1024, 4 * batch_size),
-                              local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
+
+    def epochs() -> Iterator[tuple[bool, dict[str, Any]]]:
+        epoch = 0
+        while True:
+            steps = 0
+            for batch in _batches(shard, cfg, device, drop_last=True,
+                                  local_shuffle_buffer_size=max(1024, 4 * batch_size),
+                                  local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
+                yield steps == 0, batch
+                steps += 1
+            if steps == 0:
+                raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
+                                  f"train.batch_size={batch_size}; lower it or use more data")
+            epoch += 1
+
+    # Drawn by a background thread: when this epoch's last batches are in hand, the next epoch's execution
+    # (its start, its shuffle buffer filling) is already under way while the step computes on them.
+    source = prefetched(epochs(), max(1, cfg.data.prefetch_batches))
+    try:
+        for first, batch in source:
             images, labels = _refilled(*_kept(decode(batch), cfg, skip), batch_size)
-            yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
-            steps += 1
-        if steps == 0:
-            raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
-                              f"train.batch_size={batch_size}; lower it or use more data")
-        epoch += 1
+            pair = (normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True))
+            yield EpochStart(pair) if first else pair
+    finally:
+        source.close()
 
 
 def shard_val_batches(shard: Any, cfg: Config, device: torch.device, skip: Optional[Skipped] = None):

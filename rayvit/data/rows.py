@@ -3,12 +3,15 @@
 A bad image is reported by place (``part-00003.parquet row 1207 (row group 1, index 207)``) so that a
 user can find it with any parquet reader. Without Ray, rows are read in file order and each row's place
 follows from the files' footers (:class:`RowPlaces`); through Ray Data a row carries only its file's
-path, and :func:`find_row` looks for its bytes in that file, once, when an image has failed.
+path, and :func:`find_row` looks for its bytes in that file, once, when an image has failed. A row of a
+caller's own Dataset with no file column is named by its block and offset, its label, size and digest
+(:func:`unplaced_row`), which ``Dataset.filter`` finds again.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,3 +75,11 @@ def find_row(filesystem: pafs.FileSystem, path: str, column: str, data: bytes) -
     except (OSError, ValueError):
         pass
     return path
+
+
+def unplaced_row(data: bytes, label: object, block: Optional[int], offset: int) -> str:
+    """``block 3 of the map's input, row 17 (label 0, 1024 bytes, md5 0123456789ab)``: a row no file locates
+    (``block``: the Ray Data map task's index, None where unknown; ``offset``: the row within its block)."""
+    digest = hashlib.md5(bytes(data)).hexdigest()[:12]
+    where = f"block {block} of the map's input, row {offset}" if block is not None else f"row {offset} of a block"
+    return f"{where} (label {label}, {len(data)} bytes, md5 {digest})"

@@ -206,3 +206,24 @@ def test_transform_settings_are_checked():
                        ("data.decode=gpu", "parallel.use_gpu=true")]:
         with pytest.raises(ConfigError, match=match):
             config("data.name=parquet", "data.path=x", bad)
+
+
+def test_the_gpu_decode_path_names_a_row_as_the_cpu_path_does_and_refuses_skip_corrupt():
+    """data.decode=gpu: a planned row carries its block and offset, so that a JPEG nvJPEG fails on (cut off
+    after a readable header) is named with its label, size and digest; data.skip_corrupt=true is refused
+    up front (the batch decodes in one call on the device)."""
+    import hashlib
+
+    from rayvit.data.gpu_decode import _planned_row, plan_batch
+
+    whole = _jpeg(300, 200)
+    cut = whole[:1024]
+    batch = {"image": np.array([whole, cut], dtype=object), "label": np.array([3, 5])}
+    planned = plan_batch(batch, "image", "label", ImageTransform(size=32, train=True))
+    assert list(planned["offset"]) == [0, 1] and list(planned["label"]) == [3, 5]
+    digest = hashlib.md5(cut).hexdigest()[:12]
+    assert _planned_row(planned, 1, "label") == f"row 1 of a block (label 5, 1024 bytes, md5 {digest})"
+    planned["path"] = np.array(["/data/a.parquet", "/data/b.parquet"], dtype=object)
+    assert _planned_row(planned, 1, "label") == "/data/b.parquet (1024 bytes), label 5"
+    with pytest.raises(ConfigError, match="data.skip_corrupt=true is not available with data.decode=gpu"):
+        config("data.name=parquet", "data.path=/x", "parallel.use_gpu=true", "data.decode=gpu", "data.skip_corrupt=true")
