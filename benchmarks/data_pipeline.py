@@ -1,6 +1,6 @@
 """rayvit's input pipeline against a plain PIL + torchvision-transforms pipeline, and JPEG decoders, per core.
 
-    python benchmarks/data_pipeline.py [--per-class 40] [--rounds 5] [--size 224] [--other-python PY]
+    python benchmarks/data_pipeline.py [--per-class 40] [--rounds 5] [--size 224] [--python PY] [--other-python PY]
 
 Makes the sample photographs (rayvit.data.photos: 8 x per-class ImageNet-sized JPEGs, scikit-image
 needed), then times on ONE thread, in alternating rounds, the same files and the same crop boxes:
@@ -209,6 +209,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--other-python", action="append",
                         help="an interpreter with pillow-simd, PyTurboJPEG or torchvision (and torch); repeatable")
+    parser.add_argument("--python", help="the interpreter for rayvit's own variants (default: this one); one that "
+                                         "imports torchvision too (benchmarks/torchvision_cpu_venv.sh) times the "
+                                         "peer in the same process")
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--worker", nargs=3, metavar=("IMAGES", "SEED", "OWN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -224,13 +227,18 @@ def main() -> None:
         images_path = Path(tmp) / "images.json"
         images_path.write_text(json.dumps([f.read_bytes().hex() for f in files]))
         sizes = [f.stat().st_size for f in files]
-        pythons = [(sys.executable, "1")] + [(other, "0") for other in args.other_python or ()]
+        pythons = [(args.python or sys.executable, "1")] + [(other, "0") for other in args.other_python or ()]
+        # rayvit's own variants may run in another interpreter (--python: one that also imports torchvision,
+        # so that every variant of a round runs in one process, side by side): it finds rayvit here.
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                           os.environ.get("PYTHONPATH")]))}
         rates: dict[str, list[float]] = {}
         mine: set[str] = set()
         for r in range(args.rounds):
             for python, own in (pythons if r % 2 == 0 else pythons[::-1]):
                 out = subprocess.run([python, __file__, "--size", str(args.size), "--worker", str(images_path), str(r), own],
-                                     capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                     capture_output=True, text=True, check=True, env=env)
                 for name, rate in json.loads(out.stdout.strip().splitlines()[-1]).items():
                     if own == "1":
                         mine.add(name)

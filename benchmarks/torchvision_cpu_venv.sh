@@ -7,7 +7,9 @@
 # PyPI's torchvision 0.28.0 wheel is built for CUDA: its _C.so and image.so name libc10_cuda.so and
 # libtorch_cuda.so, which a CPU torch does not have, and reference 18 of their symbols (CUDA device and
 # allocator functions). Its CPU code paths (decode_jpeg on CPU tensors, the v2 transforms) never call them.
-# This script installs torch 2.13.0 (CPU), then torchvision 0.28.0 without its dependencies, and makes
+# This script installs torch 2.13.0 (CPU) with what rayvit.data.images needs (run from the repo through
+# PYTHONPATH, so that rayvit and torchvision run side by side in one process), then torchvision 0.28.0
+# without its dependencies, and makes
 # one stand-in library under DIR/stubs that defines each missing symbol as inert data (a declaration per
 # name read from the wheel's own .so files with nm; no code), named as both missing libraries.
 # DIR/python runs the venv's interpreter with DIR/stubs on LD_LIBRARY_PATH. Nothing here touches rayvit's
@@ -15,7 +17,7 @@
 set -euo pipefail
 dir=${1:?usage: torchvision_cpu_venv.sh DIR}
 python3 -m venv "$dir"
-"$dir/bin/pip" install -q torch==2.13.0 numpy pillow simplejpeg
+"$dir/bin/pip" install -q torch==2.13.0 numpy pillow simplejpeg "turbojpeg>=0.0.2" pyyaml
 "$dir/bin/pip" install -q --no-deps torchvision==0.28.0
 site=$("$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 mkdir -p "$dir/stubs"
