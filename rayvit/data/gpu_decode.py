@@ -53,9 +53,9 @@ def plan_batch(batch: dict[str, np.ndarray], image_column: str, label_column: st
     An unreadable row fails here when its header does; one whose data is cut off after a readable
     header fails on the GPU (:func:`decode_planned` names it by its file).
     """
-    from rayvit.data.parquet import _task_index, row_namer
+    from rayvit.data.rows import row_namer, task_index
 
-    block = _task_index()
+    block = task_index()
     rng = random.Random()
     datas, boxes, flips = [], [], []
     paths = batch.get("path")

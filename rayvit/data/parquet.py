@@ -25,7 +25,7 @@ from rayvit.config import Config, ConfigError
 from rayvit.data.batching import Batch, EpochStart, check_num_classes, seeded_split, split_sizes, uint8_normaliser
 from rayvit.data.images import CorruptImageError, ImageTransform, transform_batch
 from rayvit.data.pipeline import EncodedSplit, Skipped
-from rayvit.data.rows import RowPlaces, find_row, unplaced_row
+from rayvit.data.rows import RowPlaces, corrupt_cause, row_namer
 
 if TYPE_CHECKING:
     import ray.data
@@ -263,34 +263,6 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
     return out
 
 
-def row_namer(batch: dict[str, Any], encoded: list, image_column: str, label_column: str,
-              filesystem: pafs.FileSystem) -> Callable[[int], str]:
-    """How a Ray Data map task names row ``i`` of its batch (the whole block: map_batches without a batch
-    size) when its image fails: its file, row and row group where the batch has a ``path`` column
-    (``include_paths``), else its block and offset, label, size and digest; its label either way."""
-    paths, labels = batch.get("path"), batch[label_column]
-    block = _task_index()
-
-    def where(i: int) -> str:
-        if paths is not None:
-            return f"{find_row(filesystem, str(paths[i]), image_column, encoded[i])}, label {labels[i]}"
-        return unplaced_row(encoded[i], labels[i], block, i)
-
-    return where
-
-
-def _task_index() -> Optional[int]:
-    """The running Ray Data map task's index among its operator's tasks (Ray's TaskContext, private; read
-    in Ray 2.60), None where it cannot be read."""
-    try:
-        from ray.data._internal.execution.interfaces.task_context import TaskContext
-
-        context = TaskContext.get_current()
-        return None if context is None else int(context.task_idx)
-    except Exception:  # noqa: BLE001 - a private API: without it the row is named without its block
-        return None
-
-
 def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> dict[str, "ray.data.Dataset"]:
     """Ray Datasets for ``TorchTrainer(datasets=...)``: ``"train"``, and ``"val"`` when there is one.
 
@@ -337,23 +309,6 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
     return datasets
 
 
-def own_context(dataset: "ray.data.Dataset", cfg: Config) -> "ray.data.Dataset":
-    """``dataset`` with a DataContext of its own (a copy), quiet unless ``data.progress_bars``.
-
-    A Dataset derived from another shares its context object, and a read shares the process's current
-    one: settings made for rayvit's execution (the sizes the workers read, quiet progress) would change the
-    caller's dataset and ``DataContext.get_current()``. Ray Data's progress bars print a line per operator
-    every few seconds of every epoch on the driver's console; rayvit runs them only when asked."""
-    from ray.data import Dataset
-
-    out = Dataset.copy(dataset, _deep_copy=True)
-    if not cfg.data.progress_bars:
-        context = out.context
-        context.enable_progress_bars = context.enable_operator_progress_bars = False
-        context.print_on_execution_start = False
-    return out
-
-
 def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
                    filesystem: Optional[pafs.FileSystem] = None) -> "ray.data.Dataset":
     """A Ray Dataset of encoded images (``data.image_column``: bytes, ``data.label_column``: integers) as
@@ -362,6 +317,8 @@ def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
     a corrupt image be named by file and row. Under ``data.decode=gpu`` training rows are only planned
     here and decoded on the worker's GPU (:mod:`rayvit.data.gpu_decode`)."""
     d = cfg.data
+    from rayvit.data.context import own_context
+
     dataset = own_context(dataset, cfg)
     if d.decode == "gpu" and training:
         from rayvit.data.gpu_decode import plan_batch
@@ -446,24 +403,6 @@ def _batches(shard: Any, cfg: Config, device: torch.device, **kwargs: Any) -> It
         if corrupt is None:
             raise
         raise CorruptImageError(corrupt) from None
-
-
-def corrupt_cause(error: BaseException) -> Optional[str]:
-    """The one-line message of a CorruptImageError inside Ray's wrappers of ``error``, if there is one."""
-    seen: set[int] = set()
-    todo = [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        for line in reversed(str(e).splitlines()):
-            if CorruptImageError.__name__ + ": " in line:
-                return line.split(CorruptImageError.__name__ + ": ", 1)[1].strip()
-        if isinstance(e, CorruptImageError):
-            return str(e).strip().splitlines()[-1]
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
 
 
 def _kept(batch: dict[str, Any], cfg: Config, skip: Optional[Skipped]) -> tuple[torch.Tensor, torch.Tensor]:

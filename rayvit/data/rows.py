@@ -13,10 +13,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from rayvit.errors import CorruptImageError
 
 
 def place(path: str, row: Optional[int], group: Optional[int] = None, index: Optional[int] = None) -> str:
@@ -83,3 +85,49 @@ def unplaced_row(data: bytes, label: object, block: Optional[int], offset: int) 
     digest = hashlib.md5(bytes(data)).hexdigest()[:12]
     where = f"block {block} of the map's input, row {offset}" if block is not None else f"row {offset} of a block"
     return f"{where} (label {label}, {len(data)} bytes, md5 {digest})"
+
+
+def row_namer(batch: dict[str, Any], encoded: list, image_column: str, label_column: str,
+              filesystem: pafs.FileSystem) -> Callable[[int], str]:
+    """How a Ray Data map task names row ``i`` of its batch (the whole block: map_batches without a batch
+    size) when its image fails: its file, row and row group where the batch has a ``path`` column
+    (``include_paths``), else its block and offset, label, size and digest; its label either way."""
+    paths, labels = batch.get("path"), batch[label_column]
+    block = task_index()
+
+    def where(i: int) -> str:
+        if paths is not None:
+            return f"{find_row(filesystem, str(paths[i]), image_column, encoded[i])}, label {labels[i]}"
+        return unplaced_row(encoded[i], labels[i], block, i)
+
+    return where
+
+
+def task_index() -> Optional[int]:
+    """The running Ray Data map task's index among its operator's tasks (Ray's TaskContext, private; read
+    in Ray 2.60), None where it cannot be read."""
+    try:
+        from ray.data._internal.execution.interfaces.task_context import TaskContext
+
+        context = TaskContext.get_current()
+        return None if context is None else int(context.task_idx)
+    except Exception:  # noqa: BLE001 - a private API: without it the row is named without its block
+        return None
+
+
+def corrupt_cause(error: BaseException) -> Optional[str]:
+    """The one-line message of a CorruptImageError inside Ray's wrappers of ``error``, if there is one."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        for line in reversed(str(e).splitlines()):
+            if CorruptImageError.__name__ + ": " in line:
+                return line.split(CorruptImageError.__name__ + ": ", 1)[1].strip()
+        if isinstance(e, CorruptImageError):
+            return str(e).strip().splitlines()[-1]
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None

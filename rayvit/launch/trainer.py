@@ -142,7 +142,7 @@ def _own_datasets(cfg: Config, datasets: dict) -> tuple[Config, dict]:
         raise ConfigError(f"datasets must be {{'train': ..., 'val': ... (optional)}}; got keys {sorted(datasets)}")
     if cfg.data.name not in ("parquet", "dataset"):
         cfg = cfg.replace({"data.name": "dataset"})
-    from rayvit.data.parquet import own_context
+    from rayvit.data.context import own_context
 
     ready = {}
     for name, dataset in datasets.items():
@@ -216,7 +216,7 @@ class RayvitTrainer(TorchTrainer):
             try:
                 return super().fit()
             except Exception as e:  # noqa: BLE001 - a corrupt image is named first; anything else as Ray raised it
-                from rayvit.data.parquet import corrupt_cause
+                from rayvit.data.rows import corrupt_cause
 
                 corrupt = corrupt_cause(e)
                 if corrupt is None:

@@ -149,6 +149,8 @@ def test_each_epochs_start_is_booked_apart_from_the_steady_wait_for_data(local_r
         datasets = ray_datasets(cfg)
         results[name] = train(cfg, dataset_shards={"train": datasets["train"].iterator()})
     short, long = results["short"], results["long"]
+    print(f"200 rows: steady wait {short['data_wait_fraction']:.1%}, epoch starts {short['epoch_start_wait_fraction']:.1%} "
+          f"({short['epoch_start_wait_s']:.2f} s each); 3,000 rows: steady wait {long['data_wait_fraction']:.1%}")
     starts = [h["step"] for h in short.history if h["epoch_start"]]
     assert starts == [0, 12, 24, 36]
     assert short["epoch_start_wait_fraction"] > 0 and short["epoch_start_wait_s"] > 0
