@@ -170,7 +170,8 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
                             "number): adds whether each point's node can feed its chips, the cores per chip it "
                             "needs and the epoch time bound by the slower of compute and input")
     group.add_argument("--node-cpus", type=float, metavar="N",
-                       help="CPUs per node for --data-rate (default: the profile's instance, this machine's on cpu)")
+                       help="physical CPU cores per node for --data-rate (default: the profile's instance's vCPUs "
+                            "counted as cores, two per core on the GPU profiles; this machine's on cpu)")
 
 
 def _project(args: argparse.Namespace) -> int:

@@ -170,12 +170,17 @@ class DataConfig:
     # Where JPEGs are decoded: cpu (Ray Data tasks or this process, with cpu_decoder), or gpu
     # (torchvision.io.decode_jpeg on the worker's device, batched; needs parallel.use_gpu and torchvision).
     decode: Literal["cpu", "gpu"] = "cpu"
-    cpu_decoder: Literal["simplejpeg", "pil"] = "simplejpeg"
+    # turbojpeg: only the crop's region is decoded (libjpeg-turbo 3 through rayvit.data.turbo); simplejpeg:
+    # the whole image at a DCT scale; pil. Chosen by measurement: docs/data.md.
+    cpu_decoder: Literal["turbojpeg", "simplejpeg", "pil"] = "turbojpeg"
     # An image no decoder reads: false stops the run with an error naming the file, row and reason; true
     # drops the row, warns once per image and counts it (the run's skipped_images).
     skip_corrupt: bool = False
     # Batches decoded ahead of the step (Ray Data's prefetch_batches; a thread without Ray).
     prefetch_batches: int = 1
+    # Ray Data's progress bars and execution notices for the datasets rayvit runs (off: quiet, as the sweep
+    # console is; set in each dataset's own context, never in the caller's).
+    progress_bars: bool = False
 
 
 @dataclass

@@ -61,6 +61,9 @@ def validate(cfg: Config) -> None:
                "data.name=parquet (use data.decode=cpu otherwise)")
         _check(cfg.data.augment == "none", f"data.augment={cfg.data.augment} runs on the CPU after the crop; "
                                            "with data.decode=gpu use data.augment=none")
+        _check(not cfg.data.skip_corrupt, "data.skip_corrupt=true is not available with data.decode=gpu (a JPEG cut off "
+               "after a readable header fails on the GPU, where the batch is decoded in one call, and stops the "
+               "run naming its row); use data.decode=cpu to drop such rows, or remove them")
     _validate_train(cfg.train, cfg.parallel)
     _validate_launch(cfg.launch)
 

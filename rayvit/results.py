@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,10 +40,16 @@ METRIC_KEYS = (
     "val_accuracy",
     # The share of the timed steps' time spent waiting for the next batch (next() on the data iterator:
     # decoding that fell behind, Ray Data's delivery, the host-to-device copy), each step's longest wait
-    # over ranks against its step time; above rayvit.projection.inputs.INPUT_BOUND_FRACTION the point was
-    # input-bound. Synthetic data waits for nothing. data.skip_corrupt only: skipped_images, the corrupt
+    # over ranks against its step time, epoch starts left out (below); when its interval lies above
+    # rayvit.projection.inputs.INPUT_BOUND_FRACTION the point was input-bound. Synthetic data waits for nothing. data.skip_corrupt only: skipped_images, the corrupt
     # images dropped (each rank's distinct ones, summed).
     "data_wait_fraction",
+    # Ray Data input: the timed steps' time spent waiting for an epoch's first batch (each epoch is a new
+    # execution: its start and its shuffle buffer filling), booked apart from data_wait_fraction, which
+    # is the steady per-step wait; and the mean such wait in seconds. Absent when no timed step began an
+    # epoch. Over rounds: the median of the rounds'.
+    "epoch_start_wait_fraction",
+    "epoch_start_wait_s",
     "skipped_images",
     # A run that resumed from a checkpoint (restarts > 0) only: after how many of its restarts the input
     # started afresh instead of continuing where the checkpoint left it (Ray Data's order cannot be
@@ -167,6 +174,10 @@ class RunResult:
             values = [res.metrics[key] for res in results if res.metrics.get(key) is not None]
             if values:
                 metrics[key] = max(values)
+        for key in ("epoch_start_wait_fraction", "epoch_start_wait_s"):
+            values = [res.metrics[key] for res in results if res.metrics.get(key) is not None]
+            if values:
+                metrics[key] = statistics.median(values)
         compile_times = [res.metrics["compile_time_s"] for res in results if "compile_time_s" in res.metrics]
         if compile_times:
             metrics["compile_time_s"] = max(compile_times)

@@ -10,6 +10,19 @@ import torch
 from rayvit.config import ConfigError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class EpochStart(tuple):
+    """An ``(images, labels)`` batch that begins an epoch of an input whose epochs start with a stall (a new
+    Ray Data execution filling its shuffle buffer): the loop books its wait apart from the steady per-step
+    wait (``epoch_start_wait_fraction``). Unpacks as the plain pair."""
+
+    epoch_start = True
+
+
+def epoch_start(batch: tuple) -> bool:
+    """Whether ``batch`` begins an epoch (:class:`EpochStart`)."""
+    return getattr(batch, "epoch_start", False)
 # Raw stored images (any dtype/size) -> float32 (B, 3, H, W), normalised.
 Transform = Callable[[torch.Tensor], torch.Tensor]
 

@@ -19,6 +19,7 @@ import random
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import torch
 import torch.nn.functional as F
 
@@ -52,26 +53,46 @@ def plan_batch(batch: dict[str, np.ndarray], image_column: str, label_column: st
     An unreadable row fails here when its header does; one whose data is cut off after a readable
     header fails on the GPU (:func:`decode_planned` names it by its file).
     """
+    from rayvit.data.rows import row_namer, task_index
+
+    block = task_index()
     rng = random.Random()
     datas, boxes, flips = [], [], []
     paths = batch.get("path")
-    for i, data in enumerate(batch[image_column]):
+    encoded = list(batch[image_column])
+    where = row_namer(batch, encoded, image_column, label_column, pafs.LocalFileSystem())
+    for i, data in enumerate(encoded):
         try:
             data = _as_plain_jpeg(bytes(data))
             width, height = image_size(data)
         except UNREADABLE as e:
             from rayvit.data.images import CorruptImageError
 
-            where = str(paths[i]) if paths is not None else "a row"
-            raise CorruptImageError(f"cannot decode the image in {where}: {decoder_reason(e)}") from None
+            raise CorruptImageError(f"cannot decode the image in {where(i)}: {decoder_reason(e)}") from None
         datas.append(data)
         boxes.append(spec.box(width, height, rng))
         flips.append(spec.hflip > 0 and rng.random() < spec.hflip)
+    # Each row's block and offset, to name it should nvJPEG fail on data cut off after a readable header.
     out = {"jpeg": np.array(datas, dtype=object), "box": np.asarray(boxes, dtype=np.int32).reshape(-1, 4),
-           "flip": np.asarray(flips, dtype=bool), label_column: np.asarray(batch[label_column], dtype=np.int64)}
+           "flip": np.asarray(flips, dtype=bool), label_column: np.asarray(batch[label_column], dtype=np.int64),
+           "block": np.full(len(datas), -1 if block is None else block, dtype=np.int64),
+           "offset": np.arange(len(datas), dtype=np.int64)}
     if paths is not None:
         out["path"] = np.asarray(paths, dtype=object)
     return out
+
+
+def _planned_row(batch: dict[str, Any], i: int, label_column: str) -> str:
+    """Row ``i`` of a planned batch named as the CPU path names it: its file, else its block and offset in
+    the map's input, with its label (and size and digest)."""
+    from rayvit.data.rows import unplaced_row
+
+    label = int(torch.as_tensor(batch[label_column][i]))
+    if "path" in batch:
+        return f"{batch['path'][i]} ({len(batch['jpeg'][i])} bytes), label {label}"
+    block = int(batch["block"][i]) if "block" in batch else -1
+    offset = int(batch["offset"][i]) if "offset" in batch else i
+    return unplaced_row(batch["jpeg"][i], label, None if block < 0 else block, offset)
 
 
 def _decoder():
@@ -98,9 +119,8 @@ def decode_planned(batch: dict[str, Any], size: int, device: torch.device, image
             except RuntimeError as e:
                 from rayvit.data.images import CorruptImageError
 
-                path = batch["path"][i] if "path" in batch else "a row"
-                raise CorruptImageError(f"cannot decode the image in {path} ({len(d)} bytes) on the GPU: "
-                                        f"{decoder_reason(e)}") from None
+                raise CorruptImageError(f"cannot decode the image in {_planned_row(batch, i, label_column)} on the "
+                                        f"GPU: {decoder_reason(e)}") from None
     boxes = torch.as_tensor(batch["box"]).tolist()
     flips = torch.as_tensor(batch["flip"]).tolist()
     out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)

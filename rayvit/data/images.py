@@ -8,9 +8,10 @@ Validation: the central crop that resizing the shorter side to ``image_size / da
 cropping ``image_size`` square would keep (torchvision's Resize(256) + CenterCrop(224) at crop_pct 0.875).
 
 How: the crop box is drawn from the header's size alone; a JPEG is decoded at the largest power-of-two
-DCT scale (1/2, 1/4, 1/8) that still leaves the crop at least ``image_size`` pixels a side, then the
-crop is resized (bilinear, antialiased) on uint8 by torch's vectorised kernel. Everything stays uint8
-(3, S, S) until the device normalises it. The decoder (``data.cpu_decoder``: simplejpeg, PIL) and the
+DCT scale (1/2, 1/4, 1/8) that still leaves the crop at least ``image_size`` pixels a side, and with
+``data.cpu_decoder=turbojpeg`` only the crop's region of it (:mod:`rayvit.data.turbo`); the crop is then
+resized (bilinear, antialiased) on uint8 by torch's vectorised kernel. Everything stays uint8 (3, S, S)
+until the device normalises it. The decoder (``data.cpu_decoder``: turbojpeg, simplejpeg, PIL) and the
 method were chosen by measurement: docs/data.md.
 
 Any image PIL opens is accepted (PNG, greyscale, CMYK, palette: converted to RGB); one no decoder can
@@ -51,7 +52,7 @@ class ImageTransform:
     augment: str = "none"
     augment_ops: int = 2
     augment_magnitude: int = 9
-    decoder: str = "simplejpeg"
+    decoder: str = "turbojpeg"
 
     @classmethod
     def of(cls, cfg, train: bool) -> "ImageTransform":
@@ -115,7 +116,14 @@ def dct_divisor(box: Box, size: int) -> int:
 
 def image_size(data: bytes, decoder: str = "simplejpeg") -> tuple[int, int]:
     """(width, height) from the header alone."""
-    if decoder == "simplejpeg" and data[:2] == JPEG_MAGIC:
+    if decoder == "turbojpeg" and data[:2] == JPEG_MAGIC:
+        from rayvit.data import turbo
+
+        try:
+            return turbo.header(data)[:2]
+        except ValueError:
+            pass                                   # PIL says what is wrong, or reads what TurboJPEG cannot
+    if decoder in ("simplejpeg", "turbojpeg") and data[:2] == JPEG_MAGIC:
         try:
             import simplejpeg
 
@@ -182,15 +190,33 @@ def resize_box(pixels: np.ndarray, box: Box, size: int) -> torch.Tensor:
     return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
 
 
+def decode_box(data: bytes, box: Box, width: int, height: int, size: int, decoder: str) -> tuple[np.ndarray, Box]:
+    """Pixels that hold ``box`` of the ``width`` x ``height`` image, decoded at the largest DCT scale that
+    leaves it ``size`` pixels a side, and the box in those pixels: the box's region alone
+    (``turbojpeg``), else the whole image."""
+    divisor = dct_divisor(box, size)
+    if decoder == "turbojpeg" and data[:2] == JPEG_MAGIC:
+        from rayvit.data import turbo
+
+        scaled_w, scaled_h = -(-width // divisor), -(-height // divisor)
+        region = box if divisor == 1 else scaled_box(box, scaled_w / width, scaled_h / height, scaled_w, scaled_h)
+        try:
+            pixels = turbo.decode_region(data if isinstance(data, bytes) else bytes(data), region, divisor)
+            return pixels, (0, 0, pixels.shape[1], pixels.shape[0])
+        except ValueError:
+            decoder = "pil"        # CMYK/YCCK, or a file libjpeg warns about: PIL decides (it reads what is readable)
+    pixels = decode_scaled(data, divisor, decoder)
+    got_h, got_w = pixels.shape[:2]
+    if (got_w, got_h) != (width, height):
+        box = scaled_box(box, got_w / width, got_h / height, got_w, got_h)
+    return pixels, box
+
+
 def transform_image(data: bytes, spec: ImageTransform, rng: random.Random) -> torch.Tensor:
     """One encoded image -> uint8 (3, S, S) (channels-last view) under ``spec``."""
     width, height = image_size(data, spec.decoder)
     box = spec.box(width, height, rng)
-    divisor = dct_divisor(box, spec.size)
-    pixels = decode_scaled(data, divisor, spec.decoder)
-    got_h, got_w = pixels.shape[:2]
-    if (got_w, got_h) != (width, height):
-        box = scaled_box(box, got_w / width, got_h / height, got_w, got_h)
+    pixels, box = decode_box(data, box, width, height, spec.size, spec.decoder)
     out = resize_box(pixels, box, spec.size)[0]
     if spec.train and spec.hflip > 0 and rng.random() < spec.hflip:
         out = out.flip(-1)

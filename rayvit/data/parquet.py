@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import torch
 
 from rayvit.config import Config, ConfigError
-from rayvit.data.batching import Batch, check_num_classes, seeded_split, split_sizes, uint8_normaliser
+from rayvit.data.batching import Batch, EpochStart, check_num_classes, seeded_split, split_sizes, uint8_normaliser
 from rayvit.data.images import CorruptImageError, ImageTransform, transform_batch
 from rayvit.data.pipeline import EncodedSplit, Skipped
-from rayvit.data.rows import RowPlaces, find_row
+from rayvit.data.rows import RowPlaces, corrupt_cause, row_namer
 
 if TYPE_CHECKING:
     import ray.data
@@ -251,10 +251,7 @@ def _decode_batch(batch: dict[str, np.ndarray], image_column: str, label_column:
     empty for good rows) for the worker to drop and count.
     """
     encoded = list(batch[image_column])
-    paths = batch.get("path")
-
-    def where(i: int) -> str:
-        return find_row(filesystem, str(paths[i]), image_column, encoded[i]) if paths is not None else "a row"
+    where = row_namer(batch, encoded, image_column, label_column, filesystem)
 
     rng = random.Random()
     images, errors = transform_batch(encoded, spec, [rng] * len(encoded), where)
@@ -320,14 +317,17 @@ def decode_dataset(dataset: "ray.data.Dataset", cfg: Config, training: bool,
     a corrupt image be named by file and row. Under ``data.decode=gpu`` training rows are only planned
     here and decoded on the worker's GPU (:mod:`rayvit.data.gpu_decode`)."""
     d = cfg.data
+    from rayvit.data.context import own_context
+
+    dataset = own_context(dataset, cfg)
     if d.decode == "gpu" and training:
         from rayvit.data.gpu_decode import plan_batch
 
         return dataset.map_batches(plan_batch, batch_format="numpy", fn_kwargs=dict(
             image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, True)))
-    return dataset.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=dict(
-        image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
-        skip_corrupt=d.skip_corrupt, filesystem=filesystem or pafs.LocalFileSystem()))
+    kwargs = dict(image_column=d.image_column, label_column=d.label_column, spec=ImageTransform.of(cfg, training),
+                  skip_corrupt=d.skip_corrupt, filesystem=filesystem or pafs.LocalFileSystem())
+    return dataset.map_batches(_decode_batch, batch_format="numpy", fn_kwargs=kwargs)
 
 
 def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1,
@@ -341,21 +341,36 @@ def shard_train_batches(shard: Any, cfg: Config, device: torch.device, rank: int
     split releases the next epoch to all ranks at once: a rank with one batch fewer would wait there
     while the others wait for it in the step's collective).
     """
+    from rayvit.data.pipeline import prefetched
+
     normalise = uint8_normaliser(device)
     batch_size = cfg.train.batch_size
     decode = _device_decoder(cfg, device)
-    epoch = 0
-    while True:
-        steps = 0
-        for batch in _batches(shard, cfg, device, drop_last=True, local_shuffle_buffer_size=max(1024, 4 * batch_size),
-                              local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
+
+    def epochs() -> Iterator[tuple[bool, dict[str, Any]]]:
+        epoch = 0
+        while True:
+            steps = 0
+            for batch in _batches(shard, cfg, device, drop_last=True,
+                                  local_shuffle_buffer_size=max(1024, 4 * batch_size),
+                                  local_shuffle_seed=cfg.train.seed + epoch * world_size + rank):
+                yield steps == 0, batch
+                steps += 1
+            if steps == 0:
+                raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
+                                  f"train.batch_size={batch_size}; lower it or use more data")
+            epoch += 1
+
+    # Drawn by a background thread: when this epoch's last batches are in hand, the next epoch's execution
+    # (its start, its shuffle buffer filling) is already under way while the step computes on them.
+    source = prefetched(epochs(), max(1, cfg.data.prefetch_batches))
+    try:
+        for first, batch in source:
             images, labels = _refilled(*_kept(decode(batch), cfg, skip), batch_size)
-            yield normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True)
-            steps += 1
-        if steps == 0:
-            raise ConfigError(f"rank {rank}'s train shard holds less than one batch of "
-                              f"train.batch_size={batch_size}; lower it or use more data")
-        epoch += 1
+            pair = (normalise(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True))
+            yield EpochStart(pair) if first else pair
+    finally:
+        source.close()
 
 
 def shard_val_batches(shard: Any, cfg: Config, device: torch.device, skip: Optional[Skipped] = None):
@@ -388,24 +403,6 @@ def _batches(shard: Any, cfg: Config, device: torch.device, **kwargs: Any) -> It
         if corrupt is None:
             raise
         raise CorruptImageError(corrupt) from None
-
-
-def corrupt_cause(error: BaseException) -> Optional[str]:
-    """The one-line message of a CorruptImageError inside Ray's wrappers of ``error``, if there is one."""
-    seen: set[int] = set()
-    todo = [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        for line in reversed(str(e).splitlines()):
-            if CorruptImageError.__name__ + ": " in line:
-                return line.split(CorruptImageError.__name__ + ": ", 1)[1].strip()
-        if isinstance(e, CorruptImageError):
-            return str(e).strip().splitlines()[-1]
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
 
 
 def _kept(batch: dict[str, Any], cfg: Config, skip: Optional[Skipped]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,17 +3,22 @@
 A bad image is reported by place (``part-00003.parquet row 1207 (row group 1, index 207)``) so that a
 user can find it with any parquet reader. Without Ray, rows are read in file order and each row's place
 follows from the files' footers (:class:`RowPlaces`); through Ray Data a row carries only its file's
-path, and :func:`find_row` looks for its bytes in that file, once, when an image has failed.
+path, and :func:`find_row` looks for its bytes in that file, once, when an image has failed. A row of a
+caller's own Dataset with no file column is named by its block and offset, its label, size and digest
+(:func:`unplaced_row`), which ``Dataset.filter`` finds again.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from rayvit.errors import CorruptImageError
 
 
 def place(path: str, row: Optional[int], group: Optional[int] = None, index: Optional[int] = None) -> str:
@@ -72,3 +77,57 @@ def find_row(filesystem: pafs.FileSystem, path: str, column: str, data: bytes) -
     except (OSError, ValueError):
         pass
     return path
+
+
+def unplaced_row(data: bytes, label: object, block: Optional[int], offset: int) -> str:
+    """``block 3 of the map's input, row 17 (label 0, 1024 bytes, md5 0123456789ab)``: a row no file locates
+    (``block``: the Ray Data map task's index, None where unknown; ``offset``: the row within its block)."""
+    digest = hashlib.md5(bytes(data)).hexdigest()[:12]
+    where = f"block {block} of the map's input, row {offset}" if block is not None else f"row {offset} of a block"
+    return f"{where} (label {label}, {len(data)} bytes, md5 {digest})"
+
+
+def row_namer(batch: dict[str, Any], encoded: list, image_column: str, label_column: str,
+              filesystem: pafs.FileSystem) -> Callable[[int], str]:
+    """How a Ray Data map task names row ``i`` of its batch (the whole block: map_batches without a batch
+    size) when its image fails: its file, row and row group where the batch has a ``path`` column
+    (``include_paths``), else its block and offset, label, size and digest; its label either way."""
+    paths, labels = batch.get("path"), batch[label_column]
+    block = task_index()
+
+    def where(i: int) -> str:
+        if paths is not None:
+            return f"{find_row(filesystem, str(paths[i]), image_column, encoded[i])}, label {labels[i]}"
+        return unplaced_row(encoded[i], labels[i], block, i)
+
+    return where
+
+
+def task_index() -> Optional[int]:
+    """The running Ray Data map task's index among its operator's tasks (Ray's TaskContext, private; read
+    in Ray 2.60), None where it cannot be read."""
+    try:
+        from ray.data._internal.execution.interfaces.task_context import TaskContext
+
+        context = TaskContext.get_current()
+        return None if context is None else int(context.task_idx)
+    except Exception:  # noqa: BLE001 - a private API: without it the row is named without its block
+        return None
+
+
+def corrupt_cause(error: BaseException) -> Optional[str]:
+    """The one-line message of a CorruptImageError inside Ray's wrappers of ``error``, if there is one."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        for line in reversed(str(e).splitlines()):
+            if CorruptImageError.__name__ + ": " in line:
+                return line.split(CorruptImageError.__name__ + ": ", 1)[1].strip()
+        if isinstance(e, CorruptImageError):
+            return str(e).strip().splitlines()[-1]
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from rayvit.errors import TrainingError
+from rayvit.errors import CorruptImageError, TrainingError
 from rayvit import process_state
 from rayvit.config import Config, ConfigError, as_config
 from rayvit.config_rules import check_with_torch
@@ -142,10 +142,14 @@ def _own_datasets(cfg: Config, datasets: dict) -> tuple[Config, dict]:
         raise ConfigError(f"datasets must be {{'train': ..., 'val': ... (optional)}}; got keys {sorted(datasets)}")
     if cfg.data.name not in ("parquet", "dataset"):
         cfg = cfg.replace({"data.name": "dataset"})
+    from rayvit.data.context import own_context
+
     ready = {}
     for name, dataset in datasets.items():
         if check_dataset(dataset, cfg, name) == "encoded":
             dataset = decode_dataset(dataset, cfg, training=name == "train")
+        else:
+            dataset = own_context(dataset, cfg)      # the caller's dataset and its context stay as they were
         if dataset.context.get_config(INFO_KEY) is None:
             # Not counted: a count would run the caller's whole pipeline; workers take model.num_classes.
             dataset.context.set_config(INFO_KEY, {"num_train": None, "num_val": None,
@@ -209,7 +213,17 @@ class RayvitTrainer(TorchTrainer):
             # Before any worker starts: a checkpointing run must not scatter its checkpoints over nodes' disks.
             check_storage(cfgs, storage_given=self._storage_given)
             apply_train_environment(train_environment(self.rayvit_config, reports=self._reports))
-            return super().fit()
+            try:
+                return super().fit()
+            except Exception as e:  # noqa: BLE001 - a corrupt image is named first; anything else as Ray raised it
+                from rayvit.data.rows import corrupt_cause
+
+                corrupt = corrupt_cause(e)
+                if corrupt is None:
+                    raise
+                # Ray's WorkerGroupError holds every rank's traceback with rayvit's line at its end: the caller
+                # gets that line first (the row, its label, its file), Ray's error as the cause.
+                raise CorruptImageError(corrupt) from e
 
 
 def make_trainer(cfg: Config | dict | str, *, scaling_config: Optional[ScalingConfig] = None,

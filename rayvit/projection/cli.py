@@ -127,8 +127,9 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         points = project_grid(cfg, chips, list(configs.values()), profile, rate)
         everything += points
         cpus = node_cpus or inputs.node_cpus(profile.name)
+        threads = 1.0 if node_cpus else inputs.threads_per_core(profile.name)   # --node-cpus: taken as cores
         if input_rate is not None:
-            inputs.annotate(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker)
+            inputs.annotate(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker, threads)
         if as_json:
             for p in points:
                 out(json.dumps(p.record(), default=float))
@@ -146,7 +147,8 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         out(report.memory_table([q for q in points if q.chips == chips[-1]]))
         if input_rate is not None:
             out("")
-            out(inputs.input_table(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker))
+            out(inputs.input_table(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker,
+                                   threads))
         for p in points:
             for line in fit_hints(configs[p.label], p, profile, rate):
                 out(line)

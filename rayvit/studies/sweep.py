@@ -296,7 +296,8 @@ def sweep_table(rows: list[dict[str, Any]], mode: str) -> str:
 
     bound = [r["point"] for r in rows if r["status"] in ("done", "reused") and input_bound(r)]
     if bound:
-        text += (f"\ninput-bound (waited more than {INPUT_BOUND_FRACTION:.0%} of their step time for data; their "
+        text += (f"\ninput-bound (the interval of their steady wait for data above {INPUT_BOUND_FRACTION:.0%} of "
+                 f"their step time; their "
                  f"throughput and epoch time are the input's): {', '.join(bound)}")
     return text
 

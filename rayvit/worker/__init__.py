@@ -2,6 +2,7 @@
 one object per parallel strategy. ``train(cfg)`` runs a whole run in this process; ``Session`` is one
 worker's state and its training step."""
 
-from rayvit.worker.loop import DivergedError, InjectedFault, Session, train
+from rayvit.errors import DivergedError, InjectedFault
+from rayvit.worker.loop import Session, train
 
 __all__ = ["DivergedError", "InjectedFault", "Session", "train"]

@@ -4,8 +4,11 @@ Reads up to ``--images`` rows of ``data.path`` into memory, then times the train
 random resized crop, flip, ``data.augment``, into a uint8 batch) and the validation transform on one
 thread, in alternating rounds (so drift of a shared machine hits every variant alike); each figure is
 the median over rounds with the rounds' range. ``--compare key=a,b`` times variants side by side (e.g.
-``data.cpu_decoder=pil,simplejpeg``). ``--json`` writes what ``rayvit project --data-rate`` reads: the
-projection then says per point how many cores per chip the input needs and whether a node has them.
+``data.cpu_decoder=pil,simplejpeg``). ``--ray-cpus N ...`` also times the same split through Ray Data's own
+read and decode tasks with N CPUs each (a local Ray instance): what the pipeline's tasks reach, reads,
+task starts and serialisation included. ``--json`` writes what ``rayvit project --data-rate`` reads
+(the Ray Data rate per CPU where measured): the projection then says per point how many cores per chip
+the input needs and whether a node has them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ EXAMPLES = """examples:
   rayvit bench-data --config experiments/configs/study_a100.yaml data.name=parquet data.path=s3://bucket/train \\
       --json data_rate.json && rayvit project --config experiments/configs/study_a100.yaml --data-rate data_rate.json
   rayvit bench-data data.path=/data/train --compare data.cpu_decoder=pil,simplejpeg --compare data.augment=none,randaugment
+  rayvit bench-data data.path=/data/train --ray-cpus 1 2 4 --json data_rate.json
 """
 
 
@@ -100,6 +104,65 @@ def measure(cfg: Config, images: list[bytes], compare, rounds: int) -> list[dict
     return [t.row() for t in timings]
 
 
+def ray_data_rates(cfg: Config, cpus: list[int], rounds: int, images: int) -> list[dict]:
+    """Images/s through Ray Data's own read and decode (``rayvit.data.ray_datasets``' train split) with each
+    N of ``cpus`` CPUs for Ray Data (its ``resource_limits``), in alternating rounds on one local Ray
+    instance of max(cpus) CPUs. Each round reads up to ``images`` rows in batches of ``train.batch_size``
+    and the rate is rows over the whole time, the execution's start included (as every epoch pays it:
+    Ray Data hands out a read task's blocks as it finishes them, so a rate counted from the first batch
+    would miss the decoding done before it); the first batch's wait is reported beside it."""
+    import ray
+    from ray.data import Dataset
+
+    from rayvit.data import ray_datasets
+
+    ray.init(address="local", num_cpus=max(cpus), include_dashboard=False, log_to_driver=False)
+    try:
+        train = ray_datasets(cfg)["train"]
+        rates: dict[int, list[float]] = {n: [] for n in cpus}
+        firsts: dict[int, list[float]] = {n: [] for n in cpus}
+        for r in range(rounds + 1):                    # round 0 starts Ray's workers: untimed
+            for n in cpus[r % len(cpus):] + cpus[:r % len(cpus)]:
+                ds = Dataset.copy(train, _deep_copy=True)
+                limits = ds.context.execution_options.resource_limits
+                ds.context.execution_options.resource_limits = limits.copy(cpu=n)
+                first, rate = _time_epoch(ds, cfg.train.batch_size, images)
+                if r:
+                    rates[n].append(rate)
+                    firsts[n].append(first)
+    finally:
+        ray.shutdown()
+    base = rates[cpus[0]]
+    return [{"cpus": n, "images_per_sec": statistics.median(v), "low": min(v), "high": max(v), "rounds": v,
+             "images_per_sec_per_cpu": statistics.median(v) / n, "first_batch_s": statistics.median(firsts[n]),
+             f"vs_{cpus[0]}_cpus": statistics.median(a / b for a, b in zip(v, base))} for n, v in rates.items()]
+
+
+def _time_epoch(ds, batch_size: int, images: int) -> tuple[float, float]:
+    """(seconds to the first batch, images/s over the whole time) over up to ``images`` rows of ``ds``."""
+    start = time.perf_counter()
+    first, rows = None, 0
+    for batch in ds.iter_batches(batch_size=batch_size, batch_format="numpy"):
+        first = first or time.perf_counter()
+        rows += len(next(iter(batch.values())))
+        if rows >= images:
+            break
+    end = time.perf_counter()
+    if first is None:
+        raise ConfigError(f"data.path holds less than a batch of train.batch_size={batch_size} for Ray Data")
+    return first - start, rows / (end - start)
+
+
+def format_ray_rows(rows: list[dict]) -> str:
+    base = rows[0]["cpus"]
+    header = f"{'Ray Data CPUs':<14} {'img/s':>8} {'range':>15} {'img/s/CPU':>10} {f'vs {base} CPUs':>10} {'1st batch s':>11}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['cpus']:<14} {r['images_per_sec']:>8.1f} {r['low']:>7.1f}-{r['high']:<7.1f} "
+                     f"{r['images_per_sec_per_cpu']:>10.1f} {r[f'vs_{base}_cpus']:>9.2f}x {r['first_batch_s']:>11.2f}")
+    return "\n".join(lines)
+
+
 def format_rows(rows: list[dict]) -> str:
     header = f"{'variant':<40} {'transform':<9} {'img/s/core':>10} {'range':>15} {'ms/img':>7}"
     lines = [header, "-" * len(header)]
@@ -113,9 +176,14 @@ def main(argv: Optional[list[str]] = None, prog: str = "rayvit bench-data") -> i
     parser = ab_parser(prog, __doc__, EXAMPLES, "YAML config file (data.path: your parquet file or folder)")
     parser.add_argument("--images", type=int, default=256, help="rows read and decoded per round (default 256)")
     parser.add_argument("--json", help="write the results here (rayvit project --data-rate reads it)")
+    parser.add_argument("--ray-cpus", type=int, nargs="+", metavar="N",
+                        help="also time Ray Data's own read and decode of the train split with each N CPUs (a local "
+                             "Ray instance; alternating rounds); --json then carries it and rayvit project uses it")
+    parser.add_argument("--ray-images", type=int, default=2048,
+                        help="rows read per --ray-cpus round (default 2048, or the split's)")
     args = parser.parse_args(argv)
-    if args.images < 1 or args.rounds < 1:
-        print("error: --images and --rounds must be >= 1", file=sys.stderr)
+    if args.images < 1 or args.rounds < 1 or args.ray_images < 2 or min(args.ray_cpus or [1]) < 1:
+        print("error: --images, --rounds and --ray-cpus must be >= 1, --ray-images >= 2", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     try:
@@ -130,6 +198,13 @@ def main(argv: Optional[list[str]] = None, prog: str = "rayvit bench-data") -> i
             rows = measure(cfg, images, group, args.rounds)
             print(format_rows(rows) + "\n")
             results.append({"compare": group[0] if group else None, "rows": rows})
+        ray_rows = None
+        if args.ray_cpus:
+            torch.set_num_threads(threads)
+            print(f"{prog}: Ray Data's read and decode of the train split, up to {args.ray_images} rows per round, "
+                  f"with {', '.join(map(str, args.ray_cpus))} CPUs", file=sys.stderr)
+            ray_rows = ray_data_rates(cfg, args.ray_cpus, args.rounds, args.ray_images)
+            print(format_ray_rows(ray_rows) + "\n")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -139,7 +214,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "rayvit bench-data") -> i
         first = results[0]["rows"]
         with open(args.json, "w") as f:
             json.dump({"config": cfg.to_dict(), "image_size": cfg.model.image_size, "cpu": cpu_description(),
-                       "images": len(images), "train": first[0], "val": first[1], "groups": results}, f, indent=2)
+                       "images": len(images), "train": first[0], "val": first[1], "groups": results,
+                       "ray_data": ray_rows}, f, indent=2)
     return 0
 
 

@@ -9,23 +9,24 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rayvit.errors import DivergedError, InjectedFault
+from rayvit.errors import DivergedError
 from rayvit import process_state
 from rayvit.config import Config, as_config
 from rayvit.data import Data, build_data
+from rayvit.data.batching import epoch_start
 from rayvit.models import build_model, vit_complexity
 from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
 from rayvit.training import hardware
 from rayvit.worker import agree, compiling, metrics
+from rayvit.worker.faults import fault_injector
 from rayvit.worker import checkpoint as session_checkpoint
 from rayvit.training.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.training.precision import Precision, grads_of
@@ -89,7 +90,10 @@ class Session:
         self.history: list[dict] = []         # per step: step, loss, lr, step_time_s
         self.evals: list[dict] = []
         self.step_times: list[float] = []     # this attempt's timed (post-warm-up) steps
-        self.data_wait_times: list[float] = []   # of those, the seconds each waited for its batch
+        self.data_wait_times: list[float] = []   # of those, the seconds each waited for its batch (steady)
+        # Of those, the seconds waited by a step whose batch began an epoch (a new Ray Data execution), else
+        # 0.0: booked here instead of in data_wait_times, so that the steady wait is not a mean of stalls.
+        self.epoch_start_waits: list[float] = []
         self.warmup_step_times: list[float] = []   # this attempt's warm-up steps (model.compile compiles there)
         self.steps_this_attempt = 0
         self.skipped_steps = 0
@@ -111,10 +115,12 @@ class Session:
             self._sampling(True)                   # outside the clock
         hardware.synchronize(self.device)
         start = time.perf_counter()
-        images, labels = next(self.data.train)
+        batch = next(self.data.train)
+        images, labels = batch
         # The wait for the batch, timed apart: the step's time still includes it (throughput is what the
-        # input allowed); data_wait_fraction says how much of it was input.
+        # input allowed); data_wait_fraction says how much of it was input, epoch starts apart.
         waited = time.perf_counter() - start
+        starts_epoch = epoch_start(batch)
         # Forward in the precision's dtype; the loss itself in fp32.
         with self.precision.autocast():
             logits = self.forward(self.precision.cast_inputs(images))
@@ -135,11 +141,12 @@ class Session:
         self.steps_this_attempt += 1
         if self.steps_this_attempt > self.cfg.train.warmup_steps:
             self.step_times.append(elapsed)
-            self.data_wait_times.append(waited)
+            self.data_wait_times.append(0.0 if starts_epoch else waited)
+            self.epoch_start_waits.append(waited if starts_epoch else 0.0)
         else:
             self.warmup_step_times.append(elapsed)
         self.history.append({"step": self.step, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
-                             "step_time_s": elapsed, "data_wait_s": waited})
+                             "step_time_s": elapsed, "data_wait_s": waited, "epoch_start": starts_epoch})
         self.step += 1
         if diverged:
             raise DivergedError(f"loss is not finite (NaN or inf) on rank {', '.join(map(str, diverged))} at step "
@@ -268,7 +275,7 @@ class Session:
         Memory and GPU readings are gathered from every rank: the run keeps each rank's value
         (``RunResult.per_rank``) and their max / mean (:func:`metrics.across_ranks`).
         """
-        slowest, waited, stats, combined, per_rank = self._gathered()
+        slowest, waited, started, stats, combined, per_rank = self._gathered()
         # The slowest rank's total time over the window sets the pace.
         per_chip = metrics.images_per_sec(self.cfg.train.batch_size, len(self.step_times), stats[0])
         global_rate = per_chip * self.world_size
@@ -282,6 +289,7 @@ class Session:
             **metrics.step_time_percentiles(slowest),
             "model_state_bytes_per_rank": stats[1],
             "data_wait_fraction": sum(waited) / sum(slowest) if slowest else math.nan,
+            **metrics.epoch_start_figures(started, slowest),
             **combined,
             "final_loss": self.history[-1]["loss"] if self.history else float("nan"),
             "epoch_time_imagenet_h": IMAGENET_TRAIN_IMAGES / global_rate / 3600,
@@ -302,13 +310,15 @@ class Session:
                          restarts=self.restarts, per_rank=per_rank, step_times=slowest,
                          data_wait_times=waited)
 
-    def _gathered(self) -> tuple[list[float], list[float], list[float], dict, dict]:
-        """Over every rank: each timed step's slowest time and longest data wait; the slowest rank's total
+    def _gathered(self) -> tuple[list[float], list[float], list[float], list[float], dict, dict]:
+        """Over every rank: each timed step's slowest time, longest steady data wait and longest epoch-start
+        wait; the slowest rank's total
         step time, model state and compile time; and each rank's own readings (peak memory, NVML, skipped
         images), combined and per rank (:func:`metrics.across_ranks`)."""
         readings = self.sampler.stop() if self.sampler is not None else {}
         times = torch.tensor(self.step_times or [float("nan")], dtype=torch.float64)
         waits = torch.tensor(self.data_wait_times or [float("nan")], dtype=torch.float64)
+        starts = torch.tensor(self.epoch_start_waits or [float("nan")], dtype=torch.float64)
         stats = torch.tensor([times.sum().item(), float(self.model_state_bytes()), self.compile_time_s()],
                              dtype=torch.float64)
         reserved = hardware.peak_reserved_bytes(self.device)
@@ -321,15 +331,15 @@ class Session:
         ranks = torch.tensor([list(mine.values())], dtype=torch.float64)
         if self.world_size > 1:
             # Step times and counts are the same length on every rank; take the slowest per step.
-            times, waits, stats = (self._max_over_ranks(t) for t in (times, waits, stats))
+            times, waits, starts, stats = (self._max_over_ranks(t) for t in (times, waits, starts, stats))
             mine_d = ranks[0].to(self.device)
             gathered = [torch.empty_like(mine_d) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine_d)
             ranks = torch.stack(gathered).cpu()
         combined, per_rank = metrics.across_ranks(dict(zip(mine, ranks.t().tolist())))
         timed = bool(self.step_times)
-        return (times.tolist() if timed else [], waits.tolist() if timed else [], stats.tolist(), combined,
-                per_rank)
+        return (times.tolist() if timed else [], waits.tolist() if timed else [],
+                starts.tolist() if timed else [], stats.tolist(), combined, per_rank)
 
     def _max_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         on_device = values.to(self.device)
@@ -382,14 +392,6 @@ class Session:
         torch.set_num_threads(self._threads_before)
 
 
-def _poisoned(batches: Iterator) -> Iterator:
-    """``train.fail_mode=nan``: the next batch with NaN images (this rank's loss alone is not finite), then
-    the rest as they come."""
-    images, labels = next(batches)
-    yield images * float("nan"), labels
-    yield from batches
-
-
 # A hook receives (metrics, session) every ``train.report_every`` steps, and once more at the end with the
 # run's figures (``metrics["final"]`` true, after the final evaluation); the Ray layer uses it to report and
 # checkpoint. It runs between steps, never inside a timed step.
@@ -414,20 +416,15 @@ def _train(cfg: Config, device: Optional[torch.device], dataset_shards: Optional
            on_step: Optional[Callable[[Session], None]]) -> RunResult:
     start = time.perf_counter()
     session = Session(cfg, device, dataset_shards=dataset_shards)
+    before_step = fault_injector(cfg.train)
     try:
         t = cfg.train
         if resume_from:
             session.load_checkpoint(resume_from)
         while session.step < t.steps:
             session.clear_grads()
-            # Fault injection: crash once (never after a restart), to prove recovery from checkpoints.
-            if t.fail_at_step and session.step == t.fail_at_step and session.restarts == 0 \
-                    and t.fail_rank in (session.rank, -1):
-                if t.fail_mode == "exit":
-                    os._exit(70)                   # no cleanup, no traceback: as a lost worker
-                if t.fail_mode != "nan":
-                    raise InjectedFault(f"injected fault on rank {session.rank} at step {session.step}")
-                session.data.train = _poisoned(session.data.train)
+            if before_step:
+                before_step(session)   # fault injection (train.fail_at_step)
             session.train_step()
             if on_step:
                 on_step(session)

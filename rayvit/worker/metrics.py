@@ -17,6 +17,16 @@ def images_per_sec(batch_size: int, steps: int, seconds: float) -> float:
     return batch_size * steps / seconds if steps and seconds > 0 else math.nan
 
 
+def epoch_start_figures(epoch_start_waits: Sequence[float], step_times: Sequence[float]) -> dict[str, float]:
+    """``epoch_start_wait_fraction`` (the timed steps' time spent waiting for an epoch's first batch) and
+    ``epoch_start_wait_s`` (the mean such wait), from each timed step's epoch-start wait (0.0 for steps
+    that began no epoch); empty when no timed step began an epoch (the figures are then absent)."""
+    starts = [w for w in epoch_start_waits if w > 0]
+    if not starts or not step_times:
+        return {}
+    return {"epoch_start_wait_fraction": sum(starts) / sum(step_times), "epoch_start_wait_s": sum(starts) / len(starts)}
+
+
 def rate_figures(train_flops_per_image: float, images_per_sec_per_chip: float, device: torch.device,
                  dtype: torch.dtype) -> dict:
     """TFLOPS per chip and MFU for a per-chip image rate: analytic training FLOPs x rate / peak."""

@@ -91,6 +91,42 @@ def test_crops_decode_at_a_dct_scale_when_large_and_match_a_full_decode():
                        transform_image(data, train, random.Random(5)).flip(-1))
 
 
+def test_the_crops_region_alone_decodes_to_a_full_decodes_pixels(photos):
+    """data.cpu_decoder=turbojpeg decodes only the crop's rows and columns (libjpeg-turbo 3's cropping
+    region, at each DCT scale): the same pixels as the box of a full decode, so the same crops as simplejpeg."""
+    import pyarrow.parquet as pq
+
+    from rayvit.data import turbo
+    from rayvit.data.images import decode_scaled
+
+    images = pq.read_table(photos, columns=["image"]).column("image").to_pylist()[:24]
+    rng = random.Random(0)
+    for data in images:
+        width, height, _ = turbo.header(data)
+        for divisor in (1, 2, 4):
+            full = decode_scaled(data, divisor, "simplejpeg")
+            assert full.shape[:2] == (-(-height // divisor), -(-width // divisor))
+            for _ in range(4):
+                x, y, w, h = random_resized_box(full.shape[1], full.shape[0], (0.08, 1.0), (3 / 4, 4 / 3), rng)
+                assert np.array_equal(turbo.decode_region(data, (x, y, w, h), divisor), full[y:y + h, x:x + w])
+        for train in (True, False):
+            region, whole = (transform_image(data, ImageTransform(size=96, train=train, decoder=decoder), random.Random(7))
+                             for decoder in ("turbojpeg", "simplejpeg"))
+            assert torch.equal(region, whole)
+
+
+def test_without_libjpeg_turbo_3_the_region_decoder_says_what_to_install(monkeypatch):
+    from rayvit.data import turbo
+
+    monkeypatch.setattr(turbo, "_library", lambda: (None, "no libturbojpeg found"))
+    monkeypatch.setattr(turbo._Handle._local, "handle", None, raising=False)
+    with pytest.raises(ImportError, match=r"turbojpeg>=0.0.2.*data.cpu_decoder=simplejpeg"):
+        transform_image(_jpeg(64, 48), ImageTransform(size=32, train=True), random.Random(0))
+    # The other decoders do not need it.
+    assert transform_image(_jpeg(64, 48), ImageTransform(size=32, train=True, decoder="simplejpeg"),
+                           random.Random(0)).shape == (3, 32, 32)
+
+
 def test_randaugment_changes_the_crop_and_keeps_its_shape():
     data = _jpeg(500, 375)
     plain = ImageTransform(size=64, train=True)
@@ -170,3 +206,24 @@ def test_transform_settings_are_checked():
                        ("data.decode=gpu", "parallel.use_gpu=true")]:
         with pytest.raises(ConfigError, match=match):
             config("data.name=parquet", "data.path=x", bad)
+
+
+def test_the_gpu_decode_path_names_a_row_as_the_cpu_path_does_and_refuses_skip_corrupt():
+    """data.decode=gpu: a planned row carries its block and offset, so that a JPEG nvJPEG fails on (cut off
+    after a readable header) is named with its label, size and digest; data.skip_corrupt=true is refused
+    up front (the batch decodes in one call on the device)."""
+    import hashlib
+
+    from rayvit.data.gpu_decode import _planned_row, plan_batch
+
+    whole = _jpeg(300, 200)
+    cut = whole[:1024]
+    batch = {"image": np.array([whole, cut], dtype=object), "label": np.array([3, 5])}
+    planned = plan_batch(batch, "image", "label", ImageTransform(size=32, train=True))
+    assert list(planned["offset"]) == [0, 1] and list(planned["label"]) == [3, 5]
+    digest = hashlib.md5(cut).hexdigest()[:12]
+    assert _planned_row(planned, 1, "label") == f"row 1 of a block (label 5, 1024 bytes, md5 {digest})"
+    planned["path"] = np.array(["/data/a.parquet", "/data/b.parquet"], dtype=object)
+    assert _planned_row(planned, 1, "label") == "/data/b.parquet (1024 bytes), label 5"
+    with pytest.raises(ConfigError, match="data.skip_corrupt=true is not available with data.decode=gpu"):
+        config("data.name=parquet", "data.path=/x", "parallel.use_gpu=true", "data.decode=gpu", "data.skip_corrupt=true")

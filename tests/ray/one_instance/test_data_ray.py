@@ -144,3 +144,44 @@ def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip
         resumed.close()
     assert result.restarts == 1 and [h["step"] for h in result.history] == list(range(6))
     assert result["data_fresh_starts"] == 1 and counted.drawn == 2
+
+
+def test_each_epochs_start_is_booked_apart_from_the_steady_wait_for_data(local_ray, tmp_path):
+    """200 photographs (12 steps an epoch at batch 16: every epoch a new Ray Data execution whose first
+    batch waits for it to start and fill its shuffle buffer) against the same images repeated 15 times
+    (3,000 rows: no epoch starts inside the timed steps): the epoch starts are recorded apart
+    (epoch_start_wait_fraction, each such step marked in the history), and the steady per-step
+    data_wait_fraction of the short epochs is within a few points of the long one's."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayvit.worker import train
+
+    photos = export_photos_parquet(tmp_path, per_class=25, rows_per_shard=1000)
+    table = pa.concat_tables([pq.read_table(f) for f in sorted(photos.glob("*.parquet"))])
+    assert len(table) == 200
+    for name, copies in (("short", 1), ("long", 15)):
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.concat_tables([table] * copies), tmp_path / name / "part-00000.parquet")
+    pq.write_table(table.slice(0, 32), tmp_path / "val.parquet")
+    # A step slower than two cores' decoding of its batch: the steady wait is small, the epoch start is not.
+    base = ("data.name=parquet", f"data.val_path={tmp_path / 'val.parquet'}", "model.num_classes=8",
+            "model.image_size=64", "model.name=custom", "model.hidden_dim=192", "model.depth=4", "model.num_heads=3",
+            "model.mlp_dim=768", "model.patch_size=8", "train.batch_size=16", "train.steps=40", "train.warmup_steps=4",
+            "train.eval_every=0")
+    results = {}
+    for name in ("short", "long"):
+        cfg = config(*base, f"data.path={tmp_path / name}")
+        datasets = ray_datasets(cfg)
+        results[name] = train(cfg, dataset_shards={"train": datasets["train"].iterator()})
+    short, long = results["short"], results["long"]
+    print(f"200 rows: steady wait {short['data_wait_fraction']:.1%}, epoch starts {short['epoch_start_wait_fraction']:.1%} "
+          f"({short['epoch_start_wait_s']:.2f} s each); 3,000 rows: steady wait {long['data_wait_fraction']:.1%}")
+    starts = [h["step"] for h in short.history if h["epoch_start"]]
+    assert starts == [0, 12, 24, 36]
+    assert short["epoch_start_wait_fraction"] > 0 and short["epoch_start_wait_s"] > 0
+    assert "epoch_start_wait_fraction" not in long.metrics           # its one epoch start was a warm-up step
+    steady = [h["data_wait_s"] for h in short.history[4:] if not h["epoch_start"]]
+    assert max(steady) < short["epoch_start_wait_s"]
+    assert abs(short["data_wait_fraction"] - long["data_wait_fraction"]) < 0.05, (
+        short["data_wait_fraction"], long["data_wait_fraction"], short["epoch_start_wait_fraction"])

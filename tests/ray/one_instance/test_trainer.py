@@ -320,3 +320,54 @@ def test_a_dataset_with_the_wrong_columns_is_refused_on_the_driver_naming_what_i
     trainer = make_trainer(load_config(overrides=["parallel.num_workers=1", "data.image_column=pixels",
                                                   "data.label_column=target"]), datasets={"train": wrong})
     assert trainer.rayvit_config.data.name == "dataset"
+
+
+# -- the caller's own Dataset: a corrupt row named first, and Ray Data quiet ------------------------
+
+PROGRESS = ("Running Dataset", "Execution plan", "Starting execution", "row/s", "rows/s]", "it/s]")
+
+
+def test_a_corrupt_row_of_the_callers_dataset_is_named_first_and_ray_data_runs_quietly(tmp_path, capfd):
+    """make_trainer on the caller's own Dataset (read_parquet of one file: no file column): a truncated
+    JPEG stops fit() with rayvit's CorruptImageError whose first line names the row (its block and offset
+    in the map's input, label, size and digest, enough for Dataset.filter to find it) and whose cause is Ray's
+    error; the good rows train with no Ray Data progress on the console, the caller's DataContext and
+    Dataset as they were."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from rayvit.errors import CorruptImageError
+    from rayvit.trainer import make_trainer
+
+    photos = export_photos_parquet(tmp_path, per_class=3, bad=True, rows_per_shard=1000)
+    table = pq.read_table(photos, columns=["image", "label"])
+    corrupt = [i for i, b in enumerate(table.column("image").to_pylist()) if len(b) == 1024]
+    assert len(corrupt) == 1
+    pq.write_table(table, tmp_path / "all.parquet")
+    pq.write_table(table.filter([i not in corrupt for i in range(len(table))]), tmp_path / "good.parquet")
+    cfg = load_config(overrides=["parallel.num_workers=1", "model.image_size=32", "model.num_classes=8",
+                                 "train.batch_size=4", "train.steps=40", "train.warmup_steps=1"])
+    context = ray.data.DataContext.get_current()
+    settings = (context.enable_progress_bars, context.print_on_execution_start, context.get_config("rayvit.data.info"))
+
+    users = ray.data.read_parquet(str(tmp_path / "all.parquet"))
+    with pytest.raises(CorruptImageError) as e:
+        make_trainer(cfg, datasets={"train": users}).fit()
+    first = str(e.value).splitlines()[0]
+    digest = hashlib.md5(table.column("image")[corrupt[0]].as_py()).hexdigest()[:12]
+    assert first.startswith("cannot decode the image in block "), first
+    assert f"(label 0, 1024 bytes, md5 {digest})" in first and "image file is truncated" in first
+    assert e.value.__cause__ is not None and "Traceback" not in first
+
+    capfd.readouterr()
+    good = ray.data.read_parquet(str(tmp_path / "good.parquet"))
+    result = make_trainer(cfg.replace(["train.steps=8"]), datasets={"train": good}).fit()
+    assert result.metrics["step"] == 8
+    time.sleep(1.0)                                # Ray forwards its workers' lines asynchronously
+    printed = capfd.readouterr()
+    noise = [line for line in (printed.out + printed.err).splitlines() if any(p in line for p in PROGRESS)]
+    assert noise == [], noise[:5]
+    assert (context.enable_progress_bars, context.print_on_execution_start,
+            context.get_config("rayvit.data.info")) == settings
+    assert users.context.enable_progress_bars == good.context.enable_progress_bars == settings[0]
