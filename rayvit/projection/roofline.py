@@ -51,9 +51,15 @@ TILES = ((128, 128), (128, 256), (256, 128))
 # reproduce those within ~10%. Taken for every chip (the same pipeline structure; an assumption).
 TILE_OVERHEAD_CYCLES = 2500
 GEMM_LAUNCH_S = 4e-6
-# A GEMM whose dimensions are not multiples of 16 bytes cannot use the vectorised (16-byte) loads cuBLAS's
-# fast Tensor Core kernels need and runs a slower kernel (NVIDIA, "Matrix Multiplication Background
-# User's Guide", Tensor Core Requirements). Assumed: half the rate.
+# cuBLAS's fastest Tensor Core kernels load each operand in 16-byte vectors along the dimension that is
+# contiguous in memory, so they need that dimension and each row's stride (the leading dimension) to be a
+# multiple of 16 bytes: the cuBLAS documentation, "Tensor Core Usage" (section 2.1.11 since CUDA 11), lists
+# exactly those conditions, per operand, in its column-major terms ((op_A == N ? m : k), (op_B == N ? k : n),
+# m of C, lda, ldb, ldc); the other dimension of each operand, the one a tile only strides along, is not among
+# them. In a Linear's three GEMMs the token count is that other dimension everywhere (rows of X and Y; the
+# reduced K of the weight gradient, whose operands are X and dY read along their feature dimension): it never
+# needs aligning, whatever the batch. Below the documented conditions cuBLAS falls back to kernels with
+# narrower loads. Assumed: half the rate (no published measurement of the fallback's speed was found).
 MISALIGNED_RATE = 0.5
 SPLIT_K_MIN = 512           # split-K keeps at least this much K per part
 FLASH_BLOCK = 128           # FlashAttention-2's query/key block rows
@@ -147,10 +153,17 @@ def chip_for(profile, dtype_key: str) -> Optional[Chip]:
 # Matmuls
 
 
-def gemm_seconds(chip: Chip, m: int, n: int, k: int, *, batch: int = 1, elem: int = HALF) -> float:
-    """One (batched) GEMM of ``m x k`` by ``k x n``: the best of cuBLAS's large tiles, waves over the SMs."""
+def gemm_seconds(chip: Chip, m: int, n: int, k: int, *, batch: int = 1, elem: int = HALF,
+                 contiguous: Optional[Sequence[int]] = None) -> float:
+    """One (batched) GEMM of ``m x k`` by ``k x n``: the best of cuBLAS's large tiles, waves over the SMs.
+
+    ``contiguous``: the dimensions the operands are laid out along in memory, which must be multiples of 16
+    bytes for the fast kernels (:data:`MISALIGNED_RATE`). Default ``(k, n)``: A row-major (``m x k``, as
+    activations are), B either way, C row-major; a weight gradient, whose A is a transposed view, has ``(m, n)``.
+    """
     sms, best = chip.spec.sms, math.inf
-    rate = chip.sm_rate * (1.0 if all(d * elem % 16 == 0 for d in (m, n, k)) else MISALIGNED_RATE)
+    aligned = all(d * elem % 16 == 0 for d in (contiguous if contiguous is not None else (k, n)))
+    rate = chip.sm_rate * (1.0 if aligned else MISALIGNED_RATE)
     for tm, tn in TILES:
         tiles = -(-m // tm) * -(-n // tn) * batch
         split = 1
@@ -174,8 +187,9 @@ def linear_ops(chip: Chip, name: str, tokens: int, d_in: int, d_out: int, elem: 
         out.append(Op(f"{name} dgrad", "matmul", "backward", flops, mem,
                       gemm_seconds(chip, tokens, d_in, d_out, elem=elem)))
     if weight_grad:
+        # dW = dY^T X: both read along their feature dimension; the tokens are the reduced K.
         out.append(Op(f"{name} wgrad", "matmul", "backward", flops, mem,
-                      gemm_seconds(chip, d_in, d_out, tokens, elem=elem)))
+                      gemm_seconds(chip, d_in, d_out, tokens, elem=elem, contiguous=(d_in, d_out))))
     return out
 
 
