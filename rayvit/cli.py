@@ -151,7 +151,9 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
     from rayvit.projection.profiles import PROFILES
 
     group.add_argument("--hardware", nargs="+", default=None, metavar="PROFILE",
-                       help=f"hardware profiles: {', '.join([*PROFILES, 'cpu'])} (default: a100-40gb on GPU "
+                       help=f"hardware profiles: {', '.join([*PROFILES, 'cpu'])}, or a cluster file you describe "
+                            "(.yaml: a base profile and your network, GPUs and CPUs per node, memory, price; "
+                            "cluster/example_cluster.yaml) (default: sweep.hardware, else a100-40gb on GPU "
                             "configs, cpu otherwise)")
     group.add_argument("--chips", type=int, nargs="+", help="chip counts, 1 or more (default: sweep.worker_counts)")
     group.add_argument("--measured", metavar="JSON",
@@ -173,13 +175,20 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
                        help="CPUs per node for --data-rate (default: the profile's instance, this machine's on cpu)")
 
 
+def default_hardware(study) -> list[str]:
+    """``sweep.hardware`` where the config names one, else a100-40gb on GPU configs and cpu otherwise."""
+    if study.sweep.hardware:
+        return [study.sweep.hardware]
+    return ["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"]
+
+
 def _project(args: argparse.Namespace) -> int:
     """The projection table and PNG. Analytic, without Ray or torch; only the ``cpu`` profile (this host)
     times a matmul first, with torch, when no measured rate is given."""
     from rayvit.projection import cli as projection
 
     study = projection.load(args.config, args.overrides)
-    hardware = args.hardware or (["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"])
+    hardware = args.hardware or default_hardware(study)
     cpu_peaks = None
     if "cpu" in hardware and not args.measured:
         from rayvit.measure.host import cpu_peaks_for

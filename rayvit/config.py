@@ -240,6 +240,10 @@ class SweepConfig:
     rungs: list[str] = field(default_factory=lambda: list(LADDER_RUNGS))
     # Ladder mode: image size of the "image_256" rung (256 on GPUs; smaller for CPU ladders).
     ladder_image_size: int = 256
+    # The hardware the projections describe: a shipped profile's name (rayvit/projection/profiles.py) or a
+    # cluster file (cluster/example_cluster.yaml). Empty: `rayvit project` and `rayvit plan` take a100-40gb
+    # on GPU configs and cpu otherwise, and a sweep projects each point on its own chip's profile.
+    hardware: Optional[str] = None
     # Every point is trained this many times, in rounds interleaved with the other points at its worker
     # count (A B C, B C A, C A B, ...); each figure is the median over rounds with a 95% interval.
     rounds: int = 3

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from rayvit.accelerators import NO_BF16_TENSOR_CORES
 from rayvit.config import BASELINE, Config, ConfigError, Study, load_study, rayvit_home, reduces_in_half
-from rayvit.projection import inputs, report
+from rayvit.projection import cluster_file, inputs, report
 from rayvit.projection.hints import fit_hints
 from rayvit.projection.performance import ComputeRate, Projection, project_grid
 from rayvit.projection.profiles import HardwareProfile, get_profile
@@ -87,6 +87,9 @@ def header(cfg: Config, profile: HardwareProfile, rate_source: str) -> list[str]
              f"{profile.chips_per_node} chips/node, inter-node busbw {profile.inter.busbw / 1e9:.0f} GB/s per node; "
              f"overlap {profile.overlap:g} (compute beside a collective {profile.overlap_slowdown:.1%} slower); "
              f"chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
+    described = cluster_file.describe(profile)
+    if described:
+        lines.append(described)
     if profile.accelerator in NO_BF16_TENSOR_CORES and p.mode != "fp32" and p.dtype == "bf16":
         lines.append(f"warning: {profile.accelerator} has no bf16 tensor cores: bf16 runs at its fp32 rate "
                      f"({profile.peak_flops('bf16') / 1e12:.4g} TFLOPS); use precision.dtype=fp16 there")
@@ -126,7 +129,7 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         configs = {strategy_class(v.parallel.strategy).label(v): v for v in variants(cfg, study.sweep.strategies)}
         points = project_grid(cfg, chips, list(configs.values()), profile, rate)
         everything += points
-        cpus = node_cpus or inputs.node_cpus(profile.name)
+        cpus = node_cpus or profile.cpus_per_node or inputs.node_cpus(profile.name)
         if input_rate is not None:
             inputs.annotate(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker)
         if as_json:

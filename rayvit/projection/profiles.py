@@ -126,6 +126,14 @@ class HardwareProfile:
     # A host without a data-sheet peak (CPUs): the matmul rate measured on it, FLOP/s by dtype key
     # ('fp32', 'bf16', ...), by whoever measured it (rayvit.measure.host); the projection measures nothing.
     measured_peaks: dict = field(default_factory=dict)
+    # What a cluster file (rayvit.projection.cluster_file) adds: the node's CPUs (vCPUs or physical cores),
+    # the price of one chip-hour, and which figures came from the file (for every header).
+    cpus_per_node: Optional[float] = None
+    cpus_are_vcpus: Optional[bool] = None
+    price_per_chip_hour: Optional[float] = None
+    currency: str = ""
+    described: tuple = ()
+    described_by: str = ""
 
     def peak_flops(self, dtype_key: str) -> Optional[float]:
         """Dense peak FLOP/s for 'fp32' / 'tf32' / 'fp16' / 'bf16', from ``PEAK_TFLOPS``; for CPUs the rate
@@ -207,7 +215,7 @@ _NVLINK_EFF = 0.75
 # Network: p4d.24xlarge / p4de.24xlarge have 4 x 100 Gb/s EFA = 400 Gb/s = 50 GB/s per node (AWS EC2
 # P4 instance page); DGX H100 / H200 have 8 x 400 Gb/s ConnectX-7 InfiniBand = 400 GB/s per node
 # (DGX H100/H200 user guides). 0.8 of line rate is assumed achievable by NCCL rings.
-_NET_EFF = 0.8
+_NET_EFF = NET_EFFICIENCY = 0.8
 # Latencies: a few microseconds per NVLink hop and ~10 us per network hop; NCCL's small-message
 # all-reduce on one 8-GPU node is ~15-25 us, across nodes ~30-60 us. Stated, not measured here.
 _NVLINK_A100 = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink 3: 300 GB/s each way x 0.75", hw="nvlink")
@@ -341,14 +349,20 @@ def generic_gpu_profile(name: str, memory_bytes: Optional[float] = None) -> Hard
 
 
 def get_profile(name: str, cpu_peaks: Optional[dict] = None) -> HardwareProfile:
-    """The profile named ``name``; ``cpu`` is this host's workers, with ``cpu_peaks`` (its measured rates)."""
+    """The profile named ``name``; ``cpu`` is this host's workers, with ``cpu_peaks`` (its measured rates);
+    a path ending in .yaml / .yml is a cluster the user describes (:mod:`rayvit.projection.cluster_file`)."""
+    from rayvit.projection import cluster_file
+
+    if cluster_file.is_cluster_file(name):
+        return cluster_file.load_cluster_file(name, PROFILES, NET_EFFICIENCY)
     if name == "cpu":
         return cpu_profile(peaks=cpu_peaks)
     try:
         return PROFILES[name]
     except KeyError:
         raise ConfigError(f"unknown hardware profile {name!r}; choose one of: "
-                       f"{', '.join([*PROFILES, 'cpu'])}") from None
+                          f"{', '.join([*PROFILES, 'cpu'])}, or a cluster file (.yaml: cluster/example_cluster.yaml)"
+                          ) from None
 
 
 def profile_for_accelerator(accelerator: Optional[str], memory_bytes: Optional[float] = None) -> HardwareProfile:
