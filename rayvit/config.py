@@ -123,7 +123,7 @@ class OptimConfig:
 class ParallelConfig:
     """How workers share the model: DDP is the baseline every comparison is made against."""
 
-    # A strategy registered in rayvit.strategies.STRATEGIES: ddp, fsdp, fairscale_oss, fairscale_fsdp.
+    # A strategy registered in rayvit.strategies.STRATEGIES: ddp, fsdp, hsdp, fairscale_oss, fairscale_fsdp.
     strategy: str = BASELINE
     num_workers: int = 1
     use_gpu: bool = False
@@ -139,6 +139,9 @@ class ParallelConfig:
     # half, and the only dtype FairScale's strategies can reduce half parameters' gradients in). Each run
     # records the dtype used as its ``reduce_dtype`` condition.
     reduce_dtype: Literal["auto", "fp32", "half"] = "auto"
+    # HSDP: ranks per shard group (the mesh is num_workers / shard_size replicas x shard_size); 0: the GPUs
+    # (workers) of one node. A count larger than the workers is the workers (one shard group: FSDP).
+    shard_size: int = 0
 
 
 @dataclass
