@@ -13,7 +13,7 @@ from typing import Optional
 from rayvit.config import Config
 from rayvit.models import vit_complexity
 from rayvit.models.checkpointing import checkpointed_blocks
-from rayvit.strategies.costs import Layout, StateBytes
+from rayvit.strategies.costs import Layout, StateBytes, layout_key
 from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
 from rayvit.strategies.shapes import sequence_length, vit_tensors
@@ -24,10 +24,21 @@ def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Op
                 flatten: bool = True, per_rank: bool = False, per_node: int = 0):
     """Model-state bytes of the largest rank (or every rank's, ``per_rank=True``) for ``cfg`` at ``world``
     (``per_node`` chips to a node, where known)."""
-    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten, per_node=per_node)
+    world = world or cfg.parallel.num_workers
     strategy = strategy_class(cfg.parallel.strategy)
-    ranks = [strategy.rank_state(layout, r) for r in range(layout.n)]
-    return ranks if per_rank else max(ranks, key=lambda b: b.total)
+    key = layout_key(cfg, world, layer_norm_fp32, flatten, per_node, id(strategy))
+    ranks = _RANK_STATES.get(key)
+    if ranks is None:
+        layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten, per_node=per_node)
+        ranks = _RANK_STATES.setdefault(key, tuple(strategy.rank_state(layout, r) for r in range(layout.n)))
+        if len(_RANK_STATES) > 4096:          # a plan's settings share a few hundred; keep it bounded
+            _RANK_STATES.clear()
+    return list(ranks) if per_rank else max(ranks, key=lambda b: b.total)
+
+
+# Every rank's state by the layout it was costed for (``layout_key``): costing it walks every tensor of
+# every rank, and a plan asks again for each batch size and image of the same strategy and chip count.
+_RANK_STATES: dict[str, tuple[StateBytes, ...]] = {}
 
 
 # ------------------------------------------------------------------------------------------------

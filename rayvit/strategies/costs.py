@@ -85,6 +85,17 @@ class Layout:
                    tuple(vit_tensors(cfg.model)), flatten, per_node)
 
 
+def layout_key(cfg: Config, *extra) -> str:
+    """A key for what a strategy's cost half reads of ``cfg`` (everything but the training run's budget, data
+    and launch, which no model state or message depends on), plus ``extra``: caches of the projection use it,
+    so that settings differing only in batch or steps share their costing."""
+    import json
+
+    parts = {k: v for k, v in cfg.to_dict().items() if k not in ("train", "data", "launch")}
+    parts["parallel"] = {k: v for k, v in parts["parallel"].items() if k != "num_workers"}
+    return json.dumps([parts, *extra], sort_keys=True, default=str)
+
+
 # ------------------------------------------------------------------------------------------------
 # Whole tensors per rank (DDP, OSS, ZeRO-1-like strategies)
 
