@@ -26,14 +26,24 @@ def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Op
     (``per_node`` chips to a node, where known)."""
     world = world or cfg.parallel.num_workers
     strategy = strategy_class(cfg.parallel.strategy)
-    key = layout_key(cfg, world, layer_norm_fp32, flatten, per_node, id(strategy))
+    key = layout_key(cfg, world, layer_norm_fp32, flatten, per_node, id(strategy), per_rank)
     ranks = _RANK_STATES.get(key)
     if ranks is None:
         layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten, per_node=per_node)
-        ranks = _RANK_STATES.setdefault(key, tuple(strategy.rank_state(layout, r) for r in range(layout.n)))
+        which = range(layout.n) if per_rank or not _knows_heaviest(strategy) else strategy.heaviest_ranks(layout)
+        ranks = _RANK_STATES.setdefault(key, tuple(strategy.rank_state(layout, r) for r in which))
         if len(_RANK_STATES) > 4096:          # a plan's settings share a few hundred; keep it bounded
             _RANK_STATES.clear()
     return list(ranks) if per_rank else max(ranks, key=lambda b: b.total)
+
+
+def _knows_heaviest(strategy) -> bool:
+    """Whether ``strategy.heaviest_ranks`` speaks for its ``rank_state``: defined by the class that defines
+    ``rank_state`` or one below it (a plugin overriding ``rank_state`` alone gets every rank costed)."""
+    def owner(name):
+        return next(c for c in strategy.__mro__ if name in vars(c))
+
+    return issubclass(owner("heaviest_ranks"), owner("rank_state"))
 
 
 # Every rank's state by the layout it was costed for (``layout_key``): costing it walks every tensor of

@@ -338,7 +338,22 @@ def _conv_stem_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
 def step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op] = ()) -> ComputeTime:
     """Forward + backward of one training step of ``cfg`` at ``batch`` images on ``chip``; ``extra_ops``:
     operations a model other than rayvit's ViT runs besides (a published run's heads), issued and timed
-    like the rest."""
+    like the rest. The same model, precision, chip and batch are costed once (``rayvit plan`` asks for each
+    strategy and chip count); the result is shared: read it, never change it."""
+    if extra_ops:
+        return _step_compute(cfg, chip, batch, extra_ops)
+    key = (repr((cfg.model, cfg.precision)), chip, batch)
+    if key not in _COMPUTED:
+        if len(_COMPUTED) > 4096:
+            _COMPUTED.clear()
+        _COMPUTED[key] = _step_compute(cfg, chip, batch, ())
+    return _COMPUTED[key]
+
+
+_COMPUTED: dict = {}
+
+
+def _step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op]) -> ComputeTime:
     kernel = attention_kernel(cfg, chip)
     block = block_ops(chip, cfg, batch, kernel)
     depth = cfg.model.depth

@@ -81,19 +81,31 @@ class Layout:
     @classmethod
     def of(cls, cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
            flatten: bool = True, per_node: int = 0) -> "Layout":
-        return cls(cfg, n or cfg.parallel.num_workers, Dtypes.of(cfg, layer_norm_fp32),
-                   tuple(vit_tensors(cfg.model)), flatten, per_node)
+        return cls(cfg, n or cfg.parallel.num_workers, Dtypes.of(cfg, layer_norm_fp32), _tensors(cfg.model),
+                   flatten, per_node)
+
+
+_TENSORS: dict[str, tuple[Tensor, ...]] = {}
+
+
+def _tensors(model) -> tuple[Tensor, ...]:
+    """``vit_tensors`` of ``model``, built once per architecture (a plan asks for it hundreds of times)."""
+    key = repr(model)
+    if key not in _TENSORS:
+        if len(_TENSORS) > 256:
+            _TENSORS.clear()
+        _TENSORS[key] = tuple(vit_tensors(model))
+    return _TENSORS[key]
 
 
 def layout_key(cfg: Config, *extra) -> str:
     """A key for what a strategy's cost half reads of ``cfg`` (everything but the training run's budget, data
     and launch, which no model state or message depends on), plus ``extra``: caches of the projection use it,
     so that settings differing only in batch or steps share their costing."""
-    import json
+    import dataclasses
 
-    parts = {k: v for k, v in cfg.to_dict().items() if k not in ("train", "data", "launch")}
-    parts["parallel"] = {k: v for k, v in parts["parallel"].items() if k != "num_workers"}
-    return json.dumps([parts, *extra], sort_keys=True, default=str)
+    parallel = dataclasses.replace(cfg.parallel, num_workers=0)
+    return repr((cfg.model, cfg.precision, cfg.optim, parallel, *extra))
 
 
 # ------------------------------------------------------------------------------------------------

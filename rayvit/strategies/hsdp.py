@@ -86,6 +86,10 @@ class HSDPCosts(FSDPCosts):
         return tensor_state(layout, rank, local=lambda t: chunk_local(t, shard, rank % shard))
 
     @classmethod
+    def heaviest_ranks(cls, layout: Layout) -> tuple[int, ...]:
+        return (0,)                  # the first rank of a shard group holds the longest chunks
+
+    @classmethod
     def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
         shard = shard_size(layout.cfg, layout.n, layout.per_node)
         return sum(chunk_local(t, shard, 0) for t in layout.tensors), len(layout.tensors)
