@@ -190,11 +190,20 @@ def _project(args: argparse.Namespace) -> int:
 
     study = projection.load(args.config, args.overrides)
     hardware = args.hardware or default_hardware(study)
+    rungs = None
+    if study.sweep.mode == "ladder":
+        from rayvit.studies.plan import derive, ladder_overrides
+
+        rungs = [(rung, derive(study.run, changes, f"ladder rung {rung}")) for rung, changes in ladder_overrides(study)]
     cpu_peaks = None
     if "cpu" in hardware and not args.measured:
         from rayvit.measure.host import cpu_peaks_for
 
-        cpu_peaks = cpu_peaks_for([study.run])
+        cpu_peaks = cpu_peaks_for([cfg for _, cfg in rungs] if rungs else [study.run])
+    if rungs:
+        projection.run_ladder(study, rungs, hardware=hardware, chips=args.chips, measured=args.measured,
+                              as_json=args.json, cpu_peaks=cpu_peaks)
+        return 0
     projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir,
                    as_json=args.json, data_rate=args.data_rate, node_cpus=args.node_cpus, cpu_peaks=cpu_peaks)
     return 0

@@ -159,6 +159,26 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
     return everything
 
 
+def run_ladder(study: Study, rungs: list[tuple[str, Config]], *, hardware: list[str],
+               chips: Optional[list[int]] = None, measured: Optional[str] = None, as_json: bool = False,
+               out: Callable[[str], None] = print, cpu_peaks: Optional[dict] = None) -> list:
+    """``sweep.mode=ladder``: the rungs (``rayvit.studies.plan.ladder_overrides``, each a config) projected at
+    each chip count (default: ``parallel.num_workers``, where the ladder runs) on each profile
+    (:mod:`rayvit.projection.ladder`); ``measured``: the baseline rung's single-chip rate."""
+    from rayvit.projection import ladder
+
+    check_chips(chips)
+    profiles = [get_profile(name, cpu_peaks) for name in hardware]
+    if measured and not Path(measured).is_file():
+        raise ConfigError(f"--measured {measured}: no such file")
+    rows = []
+    for profile in profiles:
+        rate = load_rate(measured, rungs[0][1], profile) if measured else None
+        rows += ladder.run(rungs, [profile], chips or [study.run.parallel.num_workers], rate=rate,
+                           as_json=as_json, out=out)
+    return rows
+
+
 def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = unique_path(folder, f"projection-{model_name(cfg)}-{profile.name}")
@@ -166,4 +186,4 @@ def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, fol
     return report.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
 
 
-__all__ = ["run", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]
+__all__ = ["run", "run_ladder", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]

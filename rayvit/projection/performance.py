@@ -102,6 +102,9 @@ class Projection:
     # Further per-row figures other parts of the projection add (e.g. an input-pipeline term), by name;
     # they travel into ``record()``.
     extras: dict = field(default_factory=dict)
+    # The roofline's shares of forward + backward (matmul, attention, memory-bound; the rest is launch gaps
+    # or the host), where the compute came from it.
+    compute_shares: dict = field(default_factory=dict)
 
     @property
     def dominant(self) -> str:
@@ -376,7 +379,15 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
                       comms.bytes_moved_per_rank(msgs, chips), compute.source,
                       label=strategy_class(cfg.parallel.strategy).label(cfg), overhead_s=overhead_s, notes=notes,
                       recompute_s=recompute, straggler_s=waiting, hardware=profile.name,
-                      compute_detail=compute.breakdown.describe() if compute.breakdown else "")
+                      compute_detail=compute.breakdown.describe() if compute.breakdown else "",
+                      compute_shares=_shares(compute.breakdown))
+
+
+def _shares(ct: Optional[roofline.ComputeTime]) -> dict[str, float]:
+    if ct is None:
+        return {}
+    return {name: ct.total(kind) / ct.seconds for name, kind in
+            (("matmul", "matmul"), ("attention", "attention"), ("memory-bound", "memory"))}
 
 
 def project_grid(cfg: Config, chip_counts: list[int], variants: list[Config], profile: HardwareProfile,

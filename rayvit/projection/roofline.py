@@ -40,7 +40,7 @@ from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, NO_BF16_TENSOR_CORES, Ch
 from rayvit.config import Config
 from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.strategies.dtypes import FULL, HALF, Dtypes
-from rayvit.strategies.shapes import sequence_length
+from rayvit.strategies.shapes import sequence_length, vit_tensors
 
 TILES = ((128, 128), (128, 256), (256, 128))
 # Cycles a GEMM tile spends beyond its math (the first loads of its software pipeline, its epilogue), and
@@ -318,7 +318,24 @@ def outer_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
                       1.5 * b * tokens / chip.memory_bw))
     ops.append(Op("image read", "memory", "forward", 0.0, image * (FULL + c), image * (FULL + c) / chip.memory_bw))
     ops += linear_ops(chip, "head", batch, h, m.num_classes, c)
-    return ops
+    return ops + autocast_weight_ops(chip, cfg)
+
+
+def autocast_weight_ops(chip: Chip, cfg: Config) -> list[Op]:
+    """``precision.mode=amp`` (AMP O1): the weights stay fp32 and autocast casts each matmul's weight to half on
+    its first use in every forward (``torch.autocast`` caches the cast for the rest of that forward), and the
+    cast's backward turns the half weight gradient into the fp32 gradient the parameter keeps: 4 + 2 bytes
+    read and written per weight element each way, one kernel per weight tensor each way. O2 (``mixed``)
+    keeps half weights and does neither; its master copy's casts are the optimizer's
+    (``performance.optimizer_time``)."""
+    if cfg.precision.mode != "amp":
+        return []
+    weights = [t for t in vit_tensors(cfg.model) if not t.norm and len(t.shape) > 1]
+    moved = sum(t.numel for t in weights) * (FULL + HALF)
+    return [Op("weight casts to half (autocast)", "memory", "forward", 0.0, moved, moved / chip.memory_bw,
+               kernels=len(weights)),
+            Op("weight gradient casts to fp32", "memory", "backward", 0.0, moved, moved / chip.memory_bw,
+               kernels=len(weights))]
 
 
 def _conv_stem_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
@@ -361,7 +378,8 @@ def _step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op]) 
            for o in block] + outer_ops(chip, cfg, batch) + list(extra_ops)
     block_forward = sum(o.seconds for o in block if o.phase == "forward")
     recompute = len(checkpointed_blocks(cfg.model)) * block_forward
-    kernels = depth * block_kernels(cfg, cfg.model.compile) + 30 + sum(o.kernels for o in extra_ops)
+    kernels = depth * block_kernels(cfg, cfg.model.compile) + 30 + sum(o.kernels for o in extra_ops) \
+        + sum(o.kernels for o in autocast_weight_ops(chip, cfg))
     notes = []
     if not chip.half and cfg.precision.mode != "fp32":
         notes.append(f"{chip.spec.name} has no {cfg.precision.dtype} tensor cores: its matmuls run at the "
