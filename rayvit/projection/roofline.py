@@ -62,6 +62,9 @@ GEMM_LAUNCH_S = 4e-6
 # narrower loads. Assumed: half the rate (no published measurement of the fallback's speed was found).
 MISALIGNED_RATE = 0.5
 SPLIT_K_MIN = 512           # split-K keeps at least this much K per part
+# Memory-bound operations that reduce along a row (their kernels, not their bytes, set their speed: profiles
+# ``reduction_efficiency``): a LayerNorm and its backward, a softmax, a loss, a bias gradient's sum, a mean.
+REDUCTIONS = ("layernorm", "softmax", "bias grads", "pool", "loss")
 FLASH_BLOCK = 128           # FlashAttention-2's query/key block rows
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
@@ -77,6 +80,13 @@ class Chip:
     half: bool                  # tensor-core half-precision matmuls (flash attention needs them)
     kernel_gap_s: float
     host_op_s: float
+    reduction_bw: float = 0.0   # bytes/s reduction kernels reach (norms, softmax, sums); 0: memory_bw
+
+    def stream_s(self, nbytes: float, name: str = "") -> float:
+        """Seconds a memory-bound kernel named ``name`` takes over ``nbytes``: reductions (:data:`REDUCTIONS`)
+        at ``reduction_bw``, everything else at ``memory_bw``."""
+        reduces = self.reduction_bw and any(word in name for word in REDUCTIONS)
+        return nbytes / (self.reduction_bw if reduces else self.memory_bw)
 
     @property
     def sm_rate(self) -> float:
@@ -145,8 +155,10 @@ def chip_for(profile, dtype_key: str) -> Optional[Chip]:
     if spec is None or peak is None:
         return None
     half = dtype_key in ("fp16", "bf16") and not (dtype_key == "bf16" and spec.name in NO_BF16_TENSOR_CORES)
+    reduction = profile.reduction_efficiency
     return Chip(spec, peak, profile.memory_bw * profile.memory_efficiency,
-                BOOST_CLOCK_GHZ[spec.name] * 1e9 * spec.sustained_clock, half, profile.kernel_gap_s, profile.host_op_s)
+                BOOST_CLOCK_GHZ[spec.name] * 1e9 * spec.sustained_clock, half, profile.kernel_gap_s, profile.host_op_s,
+                profile.memory_bw * reduction if reduction else 0.0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,11 +243,11 @@ def attention_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
     forward_bytes = elements * ((c + FULL) + 2 * FULL + (FULL + c) + drop)
     backward_bytes = elements * ((c + FULL) + 3 * FULL + (FULL + c) + drop)
     return [Op("q k^T", "attention", "forward", fwd / 2, elements * c, qk),
-            Op("softmax", "attention", "forward", 0.0, forward_bytes, forward_bytes / chip.memory_bw, kernels=3),
+            Op("softmax", "attention", "forward", 0.0, forward_bytes, chip.stream_s(forward_bytes, "softmax"), kernels=3),
             Op("p v", "attention", "forward", fwd / 2, elements * c, pv),
             Op("attention matmuls backward", "attention", "backward", 2 * fwd, 4 * elements * c,
                2 * (qk + pv), kernels=4),
-            Op("softmax backward", "attention", "backward", 0.0, backward_bytes, backward_bytes / chip.memory_bw,
+            Op("softmax backward", "attention", "backward", 0.0, backward_bytes, chip.stream_s(backward_bytes, "softmax"),
                kernels=3)]
 
 
@@ -296,7 +308,7 @@ def block_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
            + attention_ops(chip, cfg, batch, kernel))
     fused = cfg.model.compile
     for (name, phase), per_token in block_memory_bytes(cfg, fused).items():
-        ops.append(Op(name, "memory", phase, 0.0, per_token * tokens, per_token * tokens / chip.memory_bw))
+        ops.append(Op(name, "memory", phase, 0.0, per_token * tokens, chip.stream_s(per_token * tokens, name)))
     return ops
 
 
@@ -313,9 +325,9 @@ def outer_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
     per_token = {"pos add": (r + c + r) * h, "final layernorm": 2 * (r + FULL) * h,
                  "pool / select": r * h}
     for name, b in per_token.items():
-        ops.append(Op(name, "memory", "forward", 0.0, b * tokens, b * tokens / chip.memory_bw))
+        ops.append(Op(name, "memory", "forward", 0.0, b * tokens, chip.stream_s(b * tokens, name)))
         ops.append(Op(f"{name} backward", "memory", "backward", 0.0, 1.5 * b * tokens,
-                      1.5 * b * tokens / chip.memory_bw))
+                      chip.stream_s(1.5 * b * tokens, name)))
     ops.append(Op("image read", "memory", "forward", 0.0, image * (FULL + c), image * (FULL + c) / chip.memory_bw))
     ops += linear_ops(chip, "head", batch, h, m.num_classes, c)
     return ops + autocast_weight_ops(chip, cfg)
