@@ -120,3 +120,42 @@ def test_hsdp_sends_what_its_cost_half_counts(tmp_path):
         assert sent == projected, (shard, sent, projected)
     assert {kind for kind, _ in seen[1]} == {"all_reduce"}
     assert {kind for kind, _ in seen[2]} == {"all_gather", "reduce_scatter"}
+
+
+def _resumed(rank: int, folder: str, shard: int) -> dict:
+    """Two steps, a checkpoint, a third step; then a new session from the checkpoint and its third step."""
+    from rayvit.worker import Session
+
+    overrides = TINY + ["parallel.strategy=hsdp", f"parallel.shard_size={shard}"]
+    session = Session(load_config(overrides=overrides))
+    try:
+        for _ in range(2):
+            session.clear_grads()
+            session.train_step()
+        session.save_checkpoint(folder)
+        session.clear_grads()
+        straight = session.train_step()
+    finally:
+        session.close()
+    again = Session(load_config(overrides=overrides))
+    try:
+        again.load_checkpoint(folder)
+        again.clear_grads()
+        resumed = again.train_step()
+        params = {k: _full(v) for k, v in again.strategy.unwrap(again.model).named_parameters()}
+    finally:
+        again.close()
+    return {"straight": straight, "resumed": resumed, "params": params}
+
+
+@pytest.mark.parametrize("shard", [1, 2])
+def test_hsdp_checkpoints_resume_and_load_into_a_plain_model(tmp_path, shard):
+    from rayvit.worker.checkpoint import load_checkpoint
+
+    folder = tmp_path / "checkpoint"
+    ranks = two_ranks(tmp_path, _resumed, str(folder), shard)
+    for run in ranks:
+        assert run["resumed"] == pytest.approx(run["straight"], rel=1e-5)
+    plain = load_checkpoint(folder)
+    assert plain.step == 2 and plain.config.parallel.strategy == "hsdp"
+    assert set(dict(plain.model.named_parameters())) == set(ranks[0]["params"])
