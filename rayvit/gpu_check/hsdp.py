@@ -10,21 +10,19 @@ from rayvit.gpu_check.cases import on_two_ranks, small_config
 
 
 def _losses(device, overrides: dict, steps: int) -> dict:
-    """Per run (FSDP, and HSDP as the mesh ``overrides`` give it): the losses and the dtypes FSDP2's
-    replica all-reduce sent, on this rank."""
+    """Per run (FSDP, and HSDP as the mesh ``overrides`` give it): the losses, the mesh, and the dtypes sent by
+    all-reduces over the mesh's replica group (FSDP2's shard gradients across replicas), on this rank."""
     import torch.distributed as dist
 
     from rayvit.worker import Session
 
     out = {}
     for name, strategy in (("fsdp", {"parallel.strategy": "fsdp"}), ("hsdp", {"parallel.strategy": "hsdp"})):
-        sent: list = []
+        calls: list = []
         real = dist.all_reduce
 
-        def spy(tensor, *args, _sent=sent, **kwargs):
-            # Not the finite-loss flag, nor FSDP2's call over a mesh dimension of one rank (it moves nothing).
-            if tensor.numel() > 1 and dist.get_world_size(kwargs.get("group")) > 1:
-                _sent.append(tensor.dtype)
+        def spy(tensor, *args, _calls=calls, **kwargs):
+            _calls.append((kwargs.get("group"), tensor.dtype))
             return real(tensor, *args, **kwargs)
 
         dist.all_reduce = spy
@@ -34,11 +32,13 @@ def _losses(device, overrides: dict, steps: int) -> dict:
             for _ in range(steps):
                 session.clear_grads()
                 losses.append(session.train_step())
-            mesh = next(session.model.parameters()).device_mesh.shape
+            mesh = next(session.model.parameters()).device_mesh
         finally:
             dist.all_reduce = real
             session.close()
-        out[name] = {"losses": losses, "sent": sorted({str(d) for d in sent}), "mesh": tuple(mesh)}
+        replicas = mesh.get_group("replicate") if mesh.ndim == 2 and mesh.size(0) > 1 else None
+        sent = sorted({str(dtype) for group, dtype in calls if replicas is not None and group is replicas})
+        out[name] = {"losses": losses, "sent": sent, "mesh": tuple(mesh.shape)}
     return out
 
 
