@@ -229,15 +229,18 @@ def rank(rows: list[Row], by: str = "hours") -> list[Row]:
     why it loses to the one above; then the rows that do not fit, unnumbered."""
     fit = sorted((r for r in rows if r.fits), key=_order(by))
     for i, row in enumerate(fit):
-        row.rank, row.behind = i + 1, why_behind(fit[i - 1], row) if i else ""
+        row.rank, row.behind = i + 1, why_behind(fit[i - 1], row, by) if i else ""
     rest = [dataclasses.replace(r, rank=None, behind="") for r in rows if not r.fits]
     return fit + rest
 
 
-def why_behind(ahead: Row, behind: Row) -> str:
-    """Why ``behind`` loses to ``ahead``: the term whose hours of the epoch grow the most between them, with
-    its time per image on a chip (a step's term over its batch), and what else differs (chips, batch)."""
+def why_behind(ahead: Row, behind: Row, by: str = "hours") -> str:
+    """Why ``behind`` loses to ``ahead``: the term whose hours of the epoch (chip-hours, ``by="cost"``: what
+    is paid for) grow the most between them, with its time per image on a chip (a step's term over its
+    batch), and what else differs (chips, batch)."""
     a, b = ahead.term_hours(), behind.term_hours()
+    if by == "cost":
+        a, b = ({k: v * r.chips for k, v in d.items()} for d, r in ((a, ahead), (b, behind)))
     term = max(b, key=lambda t: b[t] - a[t])
     grown = b[term] - a[term]
     if grown <= 0:
@@ -248,7 +251,7 @@ def why_behind(ahead: Row, behind: Row) -> str:
     moved = [f"{what} {x} against {y}" for what, x, y in (
         ("chips", behind.chips, ahead.chips), ("batch", behind.point.batch, ahead.point.batch))
         if x != y]
-    text = f"{term} +{_hours(grown)} ({per_step})"
+    text = f"{term} +{_hours(grown)}{' of chip time' if by == 'cost' else ''} ({per_step})"
     return text + (f"; {', '.join(moved)}" if moved else "")
 
 
