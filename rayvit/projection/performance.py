@@ -55,6 +55,7 @@ from rayvit.strategies.costs import Layout
 from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile, Link
 from rayvit.strategies import strategy_class
+from rayvit.strategies.registry import lineage
 
 FORWARD_SHARE = 1 / 3
 
@@ -321,11 +322,17 @@ def compute_from_measured(cfg: Config, images_per_sec: float, profile: HardwareP
     # The measured step's communication and stragglers, as this model sees them, are not compute either.
     _, exposed = exposed_communication(msgs, chips, profile, fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE),
                                        gap_s=step_gap(fb + overhead, msgs),
-                                       path_s=profile.collective_path_s.get(cfg.parallel.strategy, 0.0))
+                                       path_s=inherited(profile.collective_path_s, cfg.parallel.strategy))
     fb -= exposed + straggler_s(profile, chips, fb + overhead)
     # A measured run with activation checkpointing computed its checkpointed blocks' forward twice.
     fb /= 1.0 + recompute_fraction(cfg, profile)
     return ComputeRate(max(fb, 0.0) / batch, f"measured: {source}")
+
+
+def inherited(measured: dict[str, float], strategy: str) -> float:
+    """A figure measured by strategy name: ``strategy``'s own, else that of the nearest strategy its runtime
+    is built on (``registry.lineage``: HSDP is FSDP2's), else 0."""
+    return next((measured[n] for n in lineage(strategy) if n in measured), 0.0)
 
 
 def step_gap(work_s: float, messages: list[comms.Message]) -> Optional[float]:
@@ -363,7 +370,7 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
     opt = optimizer_time(cfg, chips, profile, layer_norm_fp32=layer_norm_fp32)
     comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd,
                                             gap_s=step_gap(fb + recompute + opt + max(overhead_s, 0.0), msgs),
-                                            path_s=profile.collective_path_s.get(cfg.parallel.strategy, 0.0))
+                                            path_s=inherited(profile.collective_path_s, cfg.parallel.strategy))
     # A negative overhead (the anchor point ran faster than this model says) never takes the step below
     # its compute.
     overhead_s = max(overhead_s, -(exposed + opt))

@@ -173,7 +173,7 @@ def rows_for(study: Study, profile: HardwareProfile, chips: list[int], *, rate: 
             searched.skipped.append(f"{'/'.join(changes) or 'the config'}: no measured rate for it on {profile.name}")
             continue
         searched.settings += 1
-        extra = (overheads or {}).get(cfg.parallel.strategy, 0.0)
+        extra = performance.inherited(overheads or {}, cfg.parallel.strategy)
         for n in chips:
             scaled = at_chips(cfg, n)
             if scaled is None:

@@ -90,3 +90,17 @@ def test_rayvit_project_shows_hsdp_rows_with_its_variant(capsys, tmp_path):
                  "--chips", "8", "64", "--out-dir", str(tmp_path)]) == 0
     rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines() if line[:2] in ("8 ", "64")]
     assert [r[1] for r in rows if r[0] == "64"] == ["ddp", "hsdp", "hsdp"]
+
+
+def test_hsdp_takes_fsdp2s_measured_figures_until_it_has_its_own():
+    """HSDP runs FSDP2's wrapper: its own overhead and host path per collective, measured for fsdp, hold for
+    hsdp until hsdp's are measured (a plan from a sweep that ran fsdp only)."""
+    from rayvit.projection.performance import inherited
+    from rayvit.projection.profiles import cpu_profile
+
+    assert inherited({"fsdp": 0.01}, "hsdp") == 0.01 and inherited({"fsdp": 0.01, "hsdp": 0.02}, "hsdp") == 0.02
+    assert inherited({"fsdp": 0.01}, "ddp") == 0.0
+    cfg = load_config("cpu_default", {"parallel.strategy": "hsdp", "parallel.num_workers": 2})
+    bare = cpu_profile(peaks={"fp32": 1e10})
+    with_path = bare.replace(collective_path_s={"fsdp": 2e-3})
+    assert project(cfg, 2, with_path).step_s > project(cfg, 2, bare).step_s + 10e-3
