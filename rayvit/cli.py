@@ -90,8 +90,8 @@ model.classifier, model.layout, parallel.strategy (the budget: train.steps, batc
 
 PROJECT_DESCRIPTION = """Project a sweep's per-chip throughput and memory onto chips you have not rented; nothing runs.
 
-For each chip count and strategy of the config's sweep (ddp, fsdp with and without reshard_after_forward,
-fairscale_oss, fairscale_fsdp, as the config allows) it prints step time, images/s and TFLOPS per chip,
+For each chip count and strategy of the config's sweep (ddp, fsdp and hsdp with and without
+reshard_after_forward, fairscale_oss, fairscale_fsdp, as the config allows) it prints step time, images/s and TFLOPS per chip,
 MFU, the ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer),
 memory per rank, whether the point fits the chip and the largest batch that fits; then a memory breakdown
 and a PNG of projected TFLOPS per chip against chips. Compute comes from --measured, else the
@@ -99,15 +99,18 @@ op-level roofline of the chip (matmuls at their shape's achievable rate, memory-
 memory bandwidth); links, memory and the spread of chips' speed from the hardware profile
 (rayvit/projection/profiles.py; docs/projection.md says where every figure comes from). Rows that do not
 fit are followed by what would make them fit. sweep.strategies need not name ddp: every strategy is
-compared with DDP, which the projection adds. Neither Ray nor torch.distributed is started. Same as
-`rayvit sweep --project`."""
+compared with DDP, which the projection adds. With sweep.mode=ladder: the study's ladder rung by rung,
+each against the baseline, beside the study's published figures. Neither Ray nor torch.distributed is
+started. Same as `rayvit sweep --project`."""
 
 PROJECT_EXAMPLES = """examples:
   %(prog)s --config experiments/configs/study_a100.yaml                 # 8-64 A100 40 GB (p4d)
   %(prog)s --config experiments/configs/study_a100.yaml --hardware a100-80gb h100-sxm h200
   %(prog)s --config experiments/configs/study_a100.yaml --measured results/gpu_check.json
   %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)
-  %(prog)s --config study_a100.yaml --json --hardware h100-sxm > rows.jsonl   # one JSON record per row"""
+  %(prog)s --config study_a100.yaml --json --hardware h100-sxm > rows.jsonl   # one JSON record per row
+  %(prog)s --config study_a100 --hardware cluster/example_cluster.yaml        # a cluster you describe
+  %(prog)s --config study_a100 --set sweep.mode=ladder --set precision.mode=amp --chips 8 64   # the ladder"""
 
 
 def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",
