@@ -104,3 +104,13 @@ def test_hsdp_takes_fsdp2s_measured_figures_until_it_has_its_own():
     bare = cpu_profile(peaks={"fp32": 1e10})
     with_path = bare.replace(collective_path_s={"fsdp": 2e-3})
     assert project(cfg, 2, with_path).step_s > project(cfg, 2, bare).step_s + 10e-3
+
+
+def test_the_gpu_check_plans_hsdps_cases():
+    """rayvit gpu-check trains HSDP, checks its reduce dtype and its 2-D mesh over NCCL (only a GPU runs them)."""
+    import torch
+
+    from rayvit.gpu_check import plan_checks
+
+    names = [name for name, _ in plan_checks(torch.device("cpu"), quick=False, compile_=False)]
+    assert {"strategy hsdp mixed-bf16", "reduce hsdp mixed-bf16 ->fp32", "hsdp 2-D mesh over NCCL"} <= set(names)
