@@ -84,25 +84,28 @@ class ChipSpec:
 # row; NVIDIA's HPL practice quotes the clock an A100 sustains at its power limit, 1305 of 1410 MHz = 0.93
 # (glennklockwood.com "peak-FLOPS"), taken for V100 too.
 # flash_efficiency: FlashAttention-2 (Dao, 2023) reaches up to 73% of the A100's peak forward and 63%
-# backward at long sequences; on H100 FlashAttention-2 reaches about 35-40% (FlashAttention-3 paper,
-# Shah et al. 2024, which PyTorch's SDPA does not use); V100 has no FlashAttention-2 (sm80+ only): SDPA
-# uses its memory-efficient kernel there, taken at half the A100's fraction (assumption).
+# backward at long sequences. On H100 "FlashAttention-2 achieving only 35% utilization" (FlashAttention-3
+# paper, Shah et al. 2024, abstract; FA3 itself is not what PyTorch's SDPA runs): 35% forward, and backward
+# at the A100's backward/forward ratio of that, 0.35 x 63/73 = 30% (an assumption; the paper's own backward
+# figures are for FA3). Taken for every Hopper part. V100 has no FlashAttention-2 (sm80+ only): SDPA uses
+# its memory-efficient kernel there, taken at half the A100's fraction (assumption).
 _MAMF = "stas00/ml-engineering MAMF table"
+_FA2_HOPPER = (0.35, 0.30)
 _FA2 = "FlashAttention-2 paper (A100), FlashAttention-3 paper (FA2 on H100)"
 CHIPS: dict[str, ChipSpec] = {
     "V100": ChipSpec("V100", "volta", 80, 0.869, "assumed equal to the A100's MAMF fraction", 0.926, False,
                      (0.35, 0.30), "memory-efficient SDPA kernel, assumed"),
     "A100": ChipSpec("A100", "ampere", 108, 0.869, f"{_MAMF}: A100 SXM 271.2/312", 0.926, True, (0.73, 0.63), _FA2),
-    "H100": ChipSpec("H100", "hopper", 132, 0.803, f"{_MAMF}: H100 SXM 794.5/989", 0.849, True, (0.40, 0.35), _FA2),
+    "H100": ChipSpec("H100", "hopper", 132, 0.803, f"{_MAMF}: H100 SXM 794.5/989", 0.849, True, _FA2_HOPPER, _FA2),
     "H100 PCIe": ChipSpec("H100 PCIe", "hopper", 114, 0.803, "assumed equal to the H100 SXM's MAMF fraction",
-                          0.849, True, (0.40, 0.35), _FA2),
+                          0.849, True, _FA2_HOPPER, _FA2),
     "H100 NVL": ChipSpec("H100 NVL", "hopper", 132, 0.803, "assumed equal to the H100 SXM's MAMF fraction",
-                         0.849, True, (0.40, 0.35), _FA2),
+                         0.849, True, _FA2_HOPPER, _FA2),
     "H200": ChipSpec("H200", "hopper", 132, 0.803, f"{_MAMF}: H100 SXM 794.5/989, 'H200 is the same'", 0.849, True,
-                     (0.40, 0.35), _FA2),
+                     _FA2_HOPPER, _FA2),
     "H200 NVL": ChipSpec("H200 NVL", "hopper", 132, 0.803, "assumed equal to the H100 SXM's MAMF fraction",
-                         0.849, True, (0.40, 0.35), _FA2),
-    "GH200": ChipSpec("GH200", "hopper", 132, 0.838, f"{_MAMF}: GH200 828.6/989 (900 W)", 0.849, True, (0.40, 0.35),
+                         0.849, True, _FA2_HOPPER, _FA2),
+    "GH200": ChipSpec("GH200", "hopper", 132, 0.838, f"{_MAMF}: GH200 828.6/989 (900 W)", 0.849, True, _FA2_HOPPER,
                       _FA2),
 }
 

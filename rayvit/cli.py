@@ -2,6 +2,7 @@
 
     rayvit sweep   [--config F] [--set k=v ...]     scaling sweeps and the optimization ladder
     rayvit project [--config F] [--hardware P ...]  projected throughput and memory per chip, nothing runs
+    rayvit plan    [--config F] [--hardware P ...]  what to run, on what, at what cost per epoch; nothing runs
     rayvit search  [--config F] [--set k=v ...]     Ray Tune: fastest setting within the accuracy budget
     rayvit bench   [k=v ...] [--compare k=a,b]      single-process A/B timing of the training step
     rayvit gpu-check [--quick] [--list]             what only a GPU can tell, with the ladder's TFLOPS and MFU
@@ -89,8 +90,8 @@ model.classifier, model.layout, parallel.strategy (the budget: train.steps, batc
 
 PROJECT_DESCRIPTION = """Project a sweep's per-chip throughput and memory onto chips you have not rented; nothing runs.
 
-For each chip count and strategy of the config's sweep (ddp, fsdp with and without reshard_after_forward,
-fairscale_oss, fairscale_fsdp, as the config allows) it prints step time, images/s and TFLOPS per chip,
+For each chip count and strategy of the config's sweep (ddp, fsdp and hsdp with and without
+reshard_after_forward, fairscale_oss, fairscale_fsdp, as the config allows) it prints step time, images/s and TFLOPS per chip,
 MFU, the ratio to DDP, scaling efficiency, the dominant term (compute, exposed communication, optimizer),
 memory per rank, whether the point fits the chip and the largest batch that fits; then a memory breakdown
 and a PNG of projected TFLOPS per chip against chips. Compute comes from --measured, else the
@@ -98,15 +99,18 @@ op-level roofline of the chip (matmuls at their shape's achievable rate, memory-
 memory bandwidth); links, memory and the spread of chips' speed from the hardware profile
 (rayvit/projection/profiles.py; docs/projection.md says where every figure comes from). Rows that do not
 fit are followed by what would make them fit. sweep.strategies need not name ddp: every strategy is
-compared with DDP, which the projection adds. Neither Ray nor torch.distributed is started. Same as
-`rayvit sweep --project`."""
+compared with DDP, which the projection adds. With sweep.mode=ladder: the study's ladder rung by rung,
+each against the baseline, beside the study's published figures. Neither Ray nor torch.distributed is
+started. Same as `rayvit sweep --project`."""
 
 PROJECT_EXAMPLES = """examples:
   %(prog)s --config experiments/configs/study_a100.yaml                 # 8-64 A100 40 GB (p4d)
   %(prog)s --config experiments/configs/study_a100.yaml --hardware a100-80gb h100-sxm h200
   %(prog)s --config experiments/configs/study_a100.yaml --measured results/gpu_check.json
   %(prog)s --measured result.json       # CPU: a 1-worker point's result.json (an artifact of its MLflow run)
-  %(prog)s --config study_a100.yaml --json --hardware h100-sxm > rows.jsonl   # one JSON record per row"""
+  %(prog)s --config study_a100.yaml --json --hardware h100-sxm > rows.jsonl   # one JSON record per row
+  %(prog)s --config study_a100 --hardware cluster/example_cluster.yaml        # a cluster you describe
+  %(prog)s --config study_a100 --set sweep.mode=ladder --set precision.mode=amp --chips 8 64   # the ladder"""
 
 
 def _config_options(parser: argparse.ArgumentParser, default_config: Path, what: str = "YAML config",
@@ -151,7 +155,9 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
     from rayvit.projection.profiles import PROFILES
 
     group.add_argument("--hardware", nargs="+", default=None, metavar="PROFILE",
-                       help=f"hardware profiles: {', '.join([*PROFILES, 'cpu'])} (default: a100-40gb on GPU "
+                       help=f"hardware profiles: {', '.join([*PROFILES, 'cpu'])}, or a cluster file you describe "
+                            "(.yaml: a base profile and your network, GPUs and CPUs per node, memory, price; "
+                            "cluster/example_cluster.yaml) (default: sweep.hardware, else a100-40gb on GPU "
                             "configs, cpu otherwise)")
     group.add_argument("--chips", type=int, nargs="+", help="chip counts, 1 or more (default: sweep.worker_counts)")
     group.add_argument("--measured", metavar="JSON",
@@ -174,21 +180,115 @@ def _projection_options(parser: argparse.ArgumentParser, standalone: bool = Fals
                             "counted as cores, two per core on the GPU profiles; this machine's on cpu)")
 
 
+def default_hardware(study) -> list[str]:
+    """``sweep.hardware`` where the config names one, else a100-40gb on GPU configs and cpu otherwise."""
+    if study.sweep.hardware:
+        return [study.sweep.hardware]
+    return ["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"]
+
+
 def _project(args: argparse.Namespace) -> int:
     """The projection table and PNG. Analytic, without Ray or torch; only the ``cpu`` profile (this host)
     times a matmul first, with torch, when no measured rate is given."""
     from rayvit.projection import cli as projection
 
     study = projection.load(args.config, args.overrides)
-    hardware = args.hardware or (["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"])
+    hardware = args.hardware or default_hardware(study)
+    rungs = None
+    if study.sweep.mode == "ladder":
+        from rayvit.studies.plan import derive, ladder_overrides
+
+        rungs = [(rung, derive(study.run, changes, f"ladder rung {rung}")) for rung, changes in ladder_overrides(study)]
     cpu_peaks = None
     if "cpu" in hardware and not args.measured:
         from rayvit.measure.host import cpu_peaks_for
 
-        cpu_peaks = cpu_peaks_for([study.run])
+        cpu_peaks = cpu_peaks_for([cfg for _, cfg in rungs] if rungs else [study.run])
+    if rungs:
+        projection.run_ladder(study, rungs, hardware=hardware, chips=args.chips, measured=args.measured,
+                              as_json=args.json, cpu_peaks=cpu_peaks)
+        return 0
     projection.run(study, hardware=hardware, chips=args.chips, measured=args.measured, out_dir=args.out_dir,
                    as_json=args.json, data_rate=args.data_rate, node_cpus=args.node_cpus, cpu_peaks=cpu_peaks)
     return 0
+
+
+PLAN_DESCRIPTION = """What to run, on which hardware and how many chips, and what an epoch costs; nothing runs.
+
+For the config's model and dataset it projects, on each hardware profile (shipped, or a cluster you describe
+in a YAML file) and chip count, every strategy the config allows (ddp, fsdp and hsdp with and without
+reshard_after_forward, fairscale_oss, fairscale_fsdp), activation checkpointing off and on, the precisions
+and image sizes of the config's search.space, and the batch per chip up to the largest that fits. The
+settings that fit are ranked by hours per epoch of the dataset (ImageNet-1K's 1,281,167 images unless the
+config's data or --epoch-images says otherwise), or by cost per epoch where every profile has a price; each
+row says what dominates its step and why it loses to the row above. Rows that change precision or image
+size are marked: `rayvit search` measures what they cost in accuracy. No Ray, no torch (the cpu profile
+times this host's matmul unless --measured is given)."""
+
+PLAN_EXAMPLES = """examples:
+  %(prog)s --config study_a100                                   # A100 40 GB (p4d) at 8-64 chips
+  %(prog)s --config study_a100 --hardware cluster/example_cluster.yaml h100-sxm --chips 8 16 32
+  %(prog)s --config search_a100 --hardware a100-80gb --by hours --top 30
+  %(prog)s --config study_a100 --json > plan.jsonl               # one JSON record per row, ranked first
+  %(prog)s --hardware cpu --chips 2 --measured ddp_w1/result.json fsdp_w1/result.json links.json"""
+
+
+def plan_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=PLAN_DESCRIPTION, epilog=PLAN_EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _config_options(parser, CONFIGS / "study_a100.yaml", "YAML config whose model, data and search space are "
+                    "planned", "model.image_size=256")
+    from rayvit.projection.profiles import PROFILES
+
+    parser.add_argument("--hardware", nargs="+", metavar="PROFILE",
+                        help=f"hardware profiles: {', '.join([*PROFILES, 'cpu'])}, or cluster files (.yaml) "
+                             "(default: sweep.hardware, else a100-40gb on GPU configs, cpu otherwise)")
+    parser.add_argument("--chips", type=int, nargs="+", help="chip counts, 1 or more (default: sweep.worker_counts)")
+    parser.add_argument("--by", choices=["hours", "cost"],
+                        help="rank by hours or by cost per epoch (default: cost where every profile has a price)")
+    parser.add_argument("--epoch-images", type=int, metavar="N",
+                        help="training images per epoch (default: the config's dataset, else ImageNet-1K)")
+    parser.add_argument("--strategies", nargs="+", metavar="NAME", help="only these strategies (default: all)")
+    parser.add_argument("--batch-per-chip", type=int, nargs="+", metavar="B",
+                        help="only these batch sizes per chip (default: a quarter of the config's up to what fits)")
+    parser.add_argument("--measured", nargs="+", metavar="JSON",
+                        help="measurements that replace assumptions: points' result.json files (the compute "
+                             "rate from DDP's smallest, each strategy's own overhead from its own), a sweep's "
+                             "links.json, `rayvit bench --json` or `rayvit gpu-check` output")
+    parser.add_argument("--top", type=int, default=15, help="rows to print (default 15)")
+    parser.add_argument("--all-batches", action="store_true",
+                        help="a row for every batch weighed, not only each setting's best")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON record per row (rank, hardware, chips, strategy, batch_per_chip, fits, "
+                             "epoch_hours, epoch_cost, dominant, behind, changes_accuracy, ...) instead of the table")
+    return parser
+
+
+def plan(argv: Sequence[str], prog: str = "rayvit plan") -> int:
+    args = plan_parser(prog).parse_args(argv)
+
+    def run() -> int:
+        from rayvit.projection import plan_output
+        from rayvit.projection.cli import load
+
+        study = load(args.config, args.overrides)
+        hardware = args.hardware or default_hardware(study)
+        cpu_peaks = None
+        if "cpu" in hardware and not args.measured:
+            from rayvit.measure.host import cpu_peaks_for
+
+            cpu_peaks = cpu_peaks_for([study.run])
+        plan_output.run(study, hardware=hardware, chips=args.chips, measured=args.measured,
+                        epoch_images=args.epoch_images, strategies=args.strategies, batch_sizes=args.batch_per_chip,
+                        by=args.by, top=args.top, as_json=args.json, all_batches=args.all_batches,
+                        cpu_peaks=cpu_peaks)
+        return 0
+
+    return _guarded(run, "nothing was running")
+
+
+PLAN_POINTER = ("before renting: `rayvit plan --config {config}` ranks strategies, batch sizes, activation "
+                "checkpointing, precisions and image sizes by hours and cost per epoch (no cluster needed)")
 
 
 def search_parser(prog: str) -> argparse.ArgumentParser:
@@ -239,6 +339,7 @@ def sweep(argv: Sequence[str], prog: str = "rayvit sweep") -> int:
         if args.dry_run:
             print(f"config: {args.config}")
             print(describe_plan(study, points))
+            print(PLAN_POINTER.format(config=args.config))
             return 0
         experiment = args.experiment or study.tracking.experiment or Path(args.config).stem
         report = run_sweep(study, experiment=experiment, address=args.address,
@@ -278,6 +379,7 @@ def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
 
             print(f"config: {args.config}")
             print(describe_search(study, plan))
+            print(PLAN_POINTER.format(config=args.config))
             return 0
         from rayvit.studies.search import SearchInterrupted, print_summary, run_search
 
@@ -320,6 +422,7 @@ def to_parquet(argv: Sequence[str], prog: str = "rayvit to-parquet") -> int:
 COMMANDS: dict[str, tuple[Callable[..., int], str]] = {
     "sweep": (sweep, "scaling sweeps and the optimization ladder, recorded in MLflow"),
     "project": (project, "project a sweep's per-chip throughput and memory on 8-64 GPUs, without running it"),
+    "plan": (plan, "what to run, on what and how many chips, ranked by hours and cost per epoch, without running"),
     "search": (search, "Ray Tune search for the fastest setting within an accuracy budget"),
     "bench": (bench, "single-process A/B timing of the training step (ratios against the first variant)"),
     "gpu-check": (gpu_check, "on one GPU: every precision level and strategy, FairScale FSDP, the ladder's TFLOPS"),

@@ -123,7 +123,7 @@ class OptimConfig:
 class ParallelConfig:
     """How workers share the model: DDP is the baseline every comparison is made against."""
 
-    # A strategy registered in rayvit.strategies.STRATEGIES: ddp, fsdp, fairscale_oss, fairscale_fsdp.
+    # A strategy registered in rayvit.strategies.STRATEGIES: ddp, fsdp, hsdp, fairscale_oss, fairscale_fsdp.
     strategy: str = BASELINE
     num_workers: int = 1
     use_gpu: bool = False
@@ -139,6 +139,9 @@ class ParallelConfig:
     # half, and the only dtype FairScale's strategies can reduce half parameters' gradients in). Each run
     # records the dtype used as its ``reduce_dtype`` condition.
     reduce_dtype: Literal["auto", "fp32", "half"] = "auto"
+    # HSDP: ranks per shard group (the mesh is num_workers / shard_size replicas x shard_size); 0: the GPUs
+    # (workers) of one node. A count larger than the workers is the workers (one shard group: FSDP).
+    shard_size: int = 0
 
 
 @dataclass
@@ -245,6 +248,10 @@ class SweepConfig:
     rungs: list[str] = field(default_factory=lambda: list(LADDER_RUNGS))
     # Ladder mode: image size of the "image_256" rung (256 on GPUs; smaller for CPU ladders).
     ladder_image_size: int = 256
+    # The hardware the projections describe: a shipped profile's name (rayvit/projection/profiles.py) or a
+    # cluster file (cluster/example_cluster.yaml). Empty: `rayvit project` and `rayvit plan` take a100-40gb
+    # on GPU configs and cpu otherwise, and a sweep projects each point on its own chip's profile.
+    hardware: Optional[str] = None
     # Every point is trained this many times, in rounds interleaved with the other points at its worker
     # count (A B C, B C A, C A B, ...); each figure is the median over rounds with a 95% interval.
     rounds: int = 3

@@ -105,6 +105,8 @@ def _validate_parallel(cfg: Config) -> None:
     strategy = STRATEGIES[p.strategy]
     _check(p.num_workers >= 1, f"parallel.num_workers={p.num_workers} must be at least 1")
     _check(p.cpus_per_worker >= 1, f"parallel.cpus_per_worker={p.cpus_per_worker} must be at least 1")
+    _check(p.shard_size >= 0, f"parallel.shard_size={p.shard_size} must be 0 (the GPUs of one node) or a "
+                              "positive number of ranks per HSDP shard group")
     why = strategy.refuses(cfg)
     _check(why is None, str(why))
     if "torch" in sys.modules:

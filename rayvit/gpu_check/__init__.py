@@ -13,6 +13,9 @@ fail here is never reported as passed):
                its loss is finite and falls
   strategies   fsdp (PyTorch FSDP2), fairscale_fsdp (fp32, amp, mixed and pure fp16, with FairScale's own
                gradient clipping) and fairscale_oss at world size 1, same criteria
+  hsdp         FSDP2 on a 2-D (replicate, shard) mesh over NCCL in mixed bf16: on two GPUs as 1x2 (equal to
+               FSDP) and 2x1 (the shards' fp32 all-reduce across replicas on FSDP2's own stream); on one
+               GPU as a 1x1 mesh against FSDP
   layernorm    under mixed, for ddp, fsdp and fairscale_fsdp: LayerNorm weights and outputs fp32 while the
                matmuls run in half (forward hooks), and the norms' gradients fp32
   reduce       the dtype gradients are reduced in (parallel.reduce_dtype): DDP's hook seen on the wire,
@@ -78,6 +81,7 @@ from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check
                                     check_profile, check_reduce_dtype, check_training)
 from rayvit.gpu_check.cases import one_line  # noqa: E402
 from rayvit.gpu_check.decode import check_gpu_decode  # noqa: E402,F401
+from rayvit.gpu_check.hsdp import check_hsdp  # noqa: E402,F401
 from rayvit.gpu_check.ladder import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
 from rayvit.gpu_check.checkpoints import check_final_model  # noqa: E402
 from rayvit.gpu_check.recompute import check_recompute_dtype  # noqa: E402,F401
@@ -153,30 +157,30 @@ def plan_checks(device, *, quick: bool, compile_: bool) -> list[tuple[str, Calla
         checks.append((name, partial(train, {"precision.mode": mode, "precision.dtype": dtype})))
     # Each sharded strategy in fp32 and the half levels it supports (OSS cannot hold an fp32 master copy;
     # FairScale FSDP: fp32, amp, mixed and pure fp16, the study's library and half type; its clip too).
-    strategies = [("fsdp", "fp32", "bf16", {}), ("fsdp", "mixed", "bf16", {}),
+    strategies = [("fsdp", "fp32", "bf16", {}), ("fsdp", "mixed", "bf16", {}), ("hsdp", "mixed", "bf16", {}),
                   ("fairscale_fsdp", "fp32", "fp16", {}), ("fairscale_fsdp", "amp", "fp16", {}),
                   ("fairscale_fsdp", "mixed", "fp16", {"optim.grad_clip": 1.0}),
                   ("fairscale_fsdp", "mixed", "bf16", {}),
                   ("fairscale_fsdp", "pure", "fp16", {"parallel.reduce_dtype": "half", "optim.grad_clip": 1.0}),
                   ("fairscale_oss", "fp32", "bf16", {}), ("fairscale_oss", "amp", "bf16", {"optim.grad_clip": 1.0})]
     for strategy, mode, dtype, extra in strategies:
-        name = f"strategy {strategy} {mode}" + ("" if mode == "fp32" else f"-{dtype}") + (" +clip" if extra.get(
-            "optim.grad_clip") else "")
+        name = f"strategy {strategy} {mode}{'' if mode == 'fp32' else '-' + dtype}{' +clip' if extra.get('optim.grad_clip') else ''}"
         checks.append((name, partial(train, {"parallel.strategy": strategy, "precision.mode": mode,
                                              "precision.dtype": dtype, **extra})))
     for strategy, dtype in (("ddp", "bf16"), ("fsdp", "bf16"), ("fairscale_fsdp", "fp16")):
         checks.append((f"layernorm fp32 {strategy} mixed-{dtype}", partial(check_layer_norm_fp32, device, strategy, dtype)))
     reduces = [("ddp", "mixed", "bf16", "fp32"), ("ddp", "mixed", "bf16", "half"), ("ddp", "pure", "fp16", "fp32"),
-               ("fsdp", "mixed", "bf16", "fp32"), ("fsdp", "pure", "bf16", "fp32"),
+               ("fsdp", "mixed", "bf16", "fp32"), ("fsdp", "pure", "bf16", "fp32"), ("hsdp", "mixed", "bf16", "fp32"),
                ("fairscale_fsdp", "mixed", "fp16", "fp32"), ("fairscale_fsdp", "mixed", "fp16", "half")]
     for strategy, mode, dtype, reduce in reduces:
         checks.append((f"reduce {strategy} {mode}-{dtype} ->{reduce}",
                        partial(check_reduce_dtype, device, strategy, mode, dtype, reduce)))
-    checks.append(("decay fairscale_fsdp flat params", partial(check_fairscale_weight_decay, device)))
-    checks.append(("flash attention (SDPA)", partial(check_flash, device)))
-    checks.append(("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)))
-    checks.append(("projection hardware profile", partial(check_profile, device)))
-    checks.append(("data.decode=gpu (nvJPEG crops)", partial(check_gpu_decode, device)))
+    checks += [("hsdp 2-D mesh over NCCL", partial(check_hsdp, device)),
+               ("decay fairscale_fsdp flat params", partial(check_fairscale_weight_decay, device)),
+               ("flash attention (SDPA)", partial(check_flash, device)),
+               ("nvml sampler (util, power, memory)", partial(check_nvml_sampler, device)),
+               ("projection hardware profile", partial(check_profile, device)),
+               ("data.decode=gpu (nvJPEG crops)", partial(check_gpu_decode, device))]
     for mode in ("fp32", "amp", "mixed", "pure"):
         checks.append((f"activation memory {mode}", partial(check_activation_memory, device, mode)))
     # Activation checkpointing: FSDP2 (torch's wrapper before fully_shard), FairScale FSDP (FairScale's own

@@ -188,6 +188,8 @@ REDUCE_CALLS: dict[str, tuple[str, str, int]] = {
     "ddp": ("torch.distributed", "all_reduce", 0),
     # FSDP2 allocates its reduce-scatter input in the reduce dtype, at one rank too.
     "fsdp": ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce_scatter_copy_in", 1),
+    # HSDP is FSDP2 on a 2-D mesh: the same buffer, before its reduce-scatter and the shards' all-reduce.
+    "hsdp": ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "foreach_reduce_scatter_copy_in", 1),
 }
 
 

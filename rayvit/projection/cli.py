@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from rayvit.accelerators import NO_BF16_TENSOR_CORES
 from rayvit.config import BASELINE, Config, ConfigError, Study, load_study, rayvit_home, reduces_in_half
-from rayvit.projection import inputs, report
+from rayvit.projection import cluster_file, inputs, report
 from rayvit.projection.hints import fit_hints
 from rayvit.projection.performance import ComputeRate, Projection, project_grid
 from rayvit.projection.profiles import HardwareProfile, get_profile
@@ -87,6 +87,9 @@ def header(cfg: Config, profile: HardwareProfile, rate_source: str) -> list[str]
              f"{profile.chips_per_node} chips/node, inter-node busbw {profile.inter.busbw / 1e9:.0f} GB/s per node; "
              f"overlap {profile.overlap:g} (compute beside a collective {profile.overlap_slowdown:.1%} slower); "
              f"chips' speed spread {profile.speed_cv:.2%} (stragglers)"]
+    described = cluster_file.describe(profile)
+    if described:
+        lines.append(described)
     if profile.accelerator in NO_BF16_TENSOR_CORES and p.mode != "fp32" and p.dtype == "bf16":
         lines.append(f"warning: {profile.accelerator} has no bf16 tensor cores: bf16 runs at its fp32 rate "
                      f"({profile.peak_flops('bf16') / 1e12:.4g} TFLOPS); use precision.dtype=fp16 there")
@@ -126,8 +129,8 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         configs = {strategy_class(v.parallel.strategy).label(v): v for v in variants(cfg, study.sweep.strategies)}
         points = project_grid(cfg, chips, list(configs.values()), profile, rate)
         everything += points
-        cpus = node_cpus or inputs.node_cpus(profile.name)
-        threads = 1.0 if node_cpus else inputs.threads_per_core(profile.name)   # --node-cpus: taken as cores
+        # --node-cpus: the user's count, taken as physical cores.
+        cpus, threads = (node_cpus, 1.0) if node_cpus else inputs.node_cpus(profile)
         if input_rate is not None:
             inputs.annotate(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker, threads)
         if as_json:
@@ -158,6 +161,26 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
     return everything
 
 
+def run_ladder(study: Study, rungs: list[tuple[str, Config]], *, hardware: list[str],
+               chips: Optional[list[int]] = None, measured: Optional[str] = None, as_json: bool = False,
+               out: Callable[[str], None] = print, cpu_peaks: Optional[dict] = None) -> list:
+    """``sweep.mode=ladder``: the rungs (``rayvit.studies.plan.ladder_overrides``, each a config) projected at
+    each chip count (default: ``parallel.num_workers``, where the ladder runs) on each profile
+    (:mod:`rayvit.projection.ladder`); ``measured``: the baseline rung's single-chip rate."""
+    from rayvit.projection import ladder
+
+    check_chips(chips)
+    profiles = [get_profile(name, cpu_peaks) for name in hardware]
+    if measured and not Path(measured).is_file():
+        raise ConfigError(f"--measured {measured}: no such file")
+    rows = []
+    for profile in profiles:
+        rate = load_rate(measured, rungs[0][1], profile) if measured else None
+        rows += ladder.run(rungs, [profile], chips or [study.run.parallel.num_workers], rate=rate,
+                           as_json=as_json, out=out)
+    return rows
+
+
 def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = unique_path(folder, f"projection-{model_name(cfg)}-{profile.name}")
@@ -165,4 +188,4 @@ def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, fol
     return report.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
 
 
-__all__ = ["run", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]
+__all__ = ["run", "run_ladder", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]

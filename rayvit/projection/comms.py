@@ -11,20 +11,32 @@ from __future__ import annotations
 from typing import Optional
 
 from rayvit.config import Config
-from rayvit.strategies.costs import Layout, Message, bus_factor
+from rayvit.strategies.costs import Layout, Message, bus_factor, layout_key
 from rayvit.strategies import strategy_class
 
 
-def step_messages(cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None
-                  ) -> list[Message]:
-    """Every collective one rank takes part in during one step of ``cfg`` at ``n`` chips, in issue order."""
-    layout = Layout.of(cfg, n, layer_norm_fp32=layer_norm_fp32)
-    return strategy_class(cfg.parallel.strategy).step_messages(layout)
+def step_messages(cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
+                  per_node: int = 0) -> list[Message]:
+    """Every collective one rank takes part in during one step of ``cfg`` at ``n`` chips (``per_node`` to a
+    node, where known), in issue order."""
+    strategy = strategy_class(cfg.parallel.strategy)
+    key = layout_key(cfg, n or cfg.parallel.num_workers, layer_norm_fp32, per_node, id(strategy))
+    messages = _MESSAGES.get(key)
+    if messages is None:
+        layout = Layout.of(cfg, n, layer_norm_fp32=layer_norm_fp32, per_node=per_node)
+        messages = _MESSAGES.setdefault(key, tuple(strategy.step_messages(layout)))
+        if len(_MESSAGES) > 4096:
+            _MESSAGES.clear()
+    return list(messages)
+
+
+# Each layout's messages (``layout_key``): a plan asks again for every batch size of a strategy and count.
+_MESSAGES: dict[str, tuple[Message, ...]] = {}
 
 
 def bytes_moved_per_rank(messages: list[Message], n: int) -> float:
-    """Bytes each rank sends (the bus-bandwidth numerator): sum of factor x size."""
-    return sum(bus_factor(m.kind, n) * m.bytes for m in messages)
+    """Bytes each rank sends (the bus-bandwidth numerator): sum of factor x size, over each message's group."""
+    return sum(bus_factor(m.kind, m.group or n) * m.bytes for m in messages)
 
 
 __all__ = ["Message", "bus_factor", "step_messages", "bytes_moved_per_rank"]

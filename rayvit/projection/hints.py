@@ -10,7 +10,7 @@ from rayvit.projection.performance import ComputeRate, Projection, project
 from rayvit.projection.profiles import HardwareProfile
 
 GIB = 2 ** 30
-SHARDED = ("fsdp",)
+SHARDED = ("fsdp", "hsdp")
 
 
 def _try(cfg: Config, changes: dict) -> Optional[Config]:

@@ -10,7 +10,7 @@ reach: reads, task starts and serialisation included), else the loop's (an upper
 - cores per chip free for decoding = (the node's vCPUs - chips per node x ``parallel.cpus_per_worker``,
   which Ray reserves for the training workers) / chips per node / threads per core: Ray counts vCPUs,
   and two hyperthreads of one core decode at about one core's rate, so a node's physical cores are what
-  feeds its chips (:data:`NODE_THREADS_PER_CORE`; the second thread's gain, if any, is not counted);
+  feeds its chips (:func:`node_cpus`; the second thread's gain, if any, is not counted);
 - the input's rate per chip = free cores x images/s per core; the point is input-bound when that is
   below the compute rate, and ``epoch_time_imagenet_h`` is ImageNet-1K's 1,281,167 images at the slower
   of the two, with the bound named.
@@ -33,34 +33,27 @@ from rayvit.results import IMAGENET_TRAIN_IMAGES
 # A point that waited for data longer than this share of its step time was input-bound.
 INPUT_BOUND_FRACTION = 0.05
 
-# vCPUs per node of the instances the GPU profiles describe (AWS's instance pages): p4d/p4de.24xlarge
-# (8 A100) 96; p5.48xlarge (8 H100) and p5e/p5en.48xlarge (8 H200) 192.
-NODE_CPUS = {"a100-40gb": 96, "a100-80gb": 96, "h100-sxm": 192, "h200": 192}
-# Their vCPUs are hyperthreads, two per physical core (48 and 96 cores).
-NODE_THREADS_PER_CORE = {"a100-40gb": 2, "a100-80gb": 2, "h100-sxm": 2, "h200": 2}
-
-
-def threads_per_core(profile_name: str) -> float:
-    """Hardware threads per physical core of the profile's node (1 where unknown, and on the cpu profile:
-    this machine's from ``lscpu``-style sysfs where it says)."""
-    if profile_name == "cpu":
-        try:
-            with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
-                text = f.read().strip()
-            return float(sum(int(b) - int(a) + 1 if "-" in part else 1
-                             for part in text.split(",") for a, _, b in [part.partition("-")]))
-        except (OSError, ValueError):
-            return 1.0
-    return float(NODE_THREADS_PER_CORE.get(profile_name, 1))
-
-
-def node_cpus(profile_name: str) -> Optional[float]:
-    """The profile's node's CPUs (:data:`NODE_CPUS`); on the cpu profile, this machine's."""
-    if profile_name == "cpu":
+def node_cpus(profile: Any) -> tuple[Optional[float], float]:
+    """The node's CPUs in Ray's count, and how many of them share one physical core: a profile's own
+    (``cpus_per_node``, its vCPUs two hardware threads per core), on the cpu profile this machine's (its
+    threads per core read from sysfs, as ``lscpu`` does); ``(None, 1.0)`` where the profile says nothing."""
+    if profile.name == "cpu":
         import os
 
-        return float(os.cpu_count() or 1)
-    return NODE_CPUS.get(profile_name)
+        return float(os.cpu_count() or 1), _host_threads_per_core()
+    if profile.cpus_per_node is None:
+        return None, 1.0
+    return float(profile.cpus_per_node), 2.0 if profile.cpus_are_vcpus else 1.0
+
+
+def _host_threads_per_core() -> float:
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+        return float(sum(int(b) - int(a) + 1 if "-" in part else 1
+                         for part in text.split(",") for a, _, b in [part.partition("-")]))
+    except (OSError, ValueError):
+        return 1.0
 
 
 @dataclass(frozen=True)

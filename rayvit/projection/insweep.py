@@ -26,7 +26,8 @@ from typing import Any, Callable, Optional
 from rayvit.config import BASELINE
 from rayvit.formats import fmt, positive as _finite
 from rayvit.projection import performance
-from rayvit.projection.profiles import HardwareProfile, cpu_profile, profile_for_accelerator, with_measured_links
+from rayvit.projection.profiles import (HardwareProfile, cpu_profile, get_profile, profile_for_accelerator,
+                                       with_measured_links)
 
 SHORTFALL = 0.25      # warn when the measured interval lies beyond the projection by more than this
 
@@ -43,8 +44,14 @@ def describe_measured(links: dict, where: str) -> str:
     return describe(links) + f"\n  (measured on the workers of {where} after their training, {links.get('seconds', 0):.0f} s)"
 
 
-def sweep_profile(cfg, rows: list[dict], links: Optional[dict]) -> HardwareProfile:
-    if cfg.parallel.use_gpu:
+def sweep_profile(cfg, rows: list[dict], links: Optional[dict], hardware: Optional[str] = None) -> HardwareProfile:
+    """The profile a sweep's points are projected on: ``hardware`` (``sweep.hardware``: a profile's name or a
+    cluster file) where given, else the chip the points ran on; with the sweep's measured links on top."""
+    if hardware:
+        profile = get_profile(hardware)
+        if profile.accelerator is None:
+            profile = cpu_profile(chips_per_node=max(2, cfg.parallel.num_workers))
+    elif cfg.parallel.use_gpu:
         # Never the CPU profile on GPUs: a chip without a profile of its own gets a generic GPU's, with
         # the memory the microbenchmark read from the device.
         measured = links or {}
@@ -94,9 +101,10 @@ def strategy_overheads(outcomes, profile: HardwareProfile, rate: performance.Com
     return out
 
 
-def project_outcome(outcome, outcomes, links: Optional[dict]) -> Optional[performance.Projection]:
+def project_outcome(outcome, outcomes, links: Optional[dict], hardware: Optional[str] = None
+                    ) -> Optional[performance.Projection]:
     rows = [o.result.row() for o in outcomes if o.ok]
-    profile = sweep_profile(outcome.point.cfg, rows, links)
+    profile = sweep_profile(outcome.point.cfg, rows, links, hardware)
     source = compute_source(outcomes, profile)
     if source is None:
         return None
@@ -114,8 +122,8 @@ def project_outcome(outcome, outcomes, links: Optional[dict]) -> Optional[perfor
     return proj
 
 
-def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] = print
-          ) -> Optional[performance.Projection]:
+def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] = print, *,
+          hardware: Optional[str] = None) -> Optional[performance.Projection]:
     """Project the newest point, log ``projected_*`` on its child run, warn when the projection lies
     outside the measured interval by more than :data:`SHORTFALL`.
 
@@ -128,7 +136,7 @@ def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] =
     if not outcome.ok or outcome.status != "done":
         return None
     try:
-        proj = project_outcome(outcome, outcomes, links)
+        proj = project_outcome(outcome, outcomes, links, hardware)
     except Exception:  # noqa: BLE001
         out("projection failed for " + outcome.point.key + ":\n" + traceback.format_exc(limit=2))
         return None
@@ -170,7 +178,8 @@ def judge(tracker, outcomes, links: Optional[dict], out: Callable[[str], None] =
     return proj
 
 
-def artifacts(outcomes, links: Optional[dict], folder: Path, title: str) -> list[Path]:
+def artifacts(outcomes, links: Optional[dict], folder: Path, title: str, *, hardware: Optional[str] = None
+              ) -> list[Path]:
     """``links.json`` and ``projection.png`` for the parent run (nothing for empty sweeps)."""
     files = []
     if links:
@@ -182,7 +191,7 @@ def artifacts(outcomes, links: Optional[dict], folder: Path, title: str) -> list
         return files
     from rayvit.projection import report
 
-    profile = sweep_profile(done[0].point.cfg, [o.result.row() for o in done], links)
+    profile = sweep_profile(done[0].point.cfg, [o.result.row() for o in done], links, hardware)
     source = compute_source(done, profile)
     if source is None:
         return files

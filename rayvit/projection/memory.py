@@ -13,7 +13,7 @@ from typing import Optional
 from rayvit.config import Config
 from rayvit.models import vit_complexity
 from rayvit.models.checkpointing import checkpointed_blocks
-from rayvit.strategies.costs import Layout, StateBytes
+from rayvit.strategies.costs import Layout, StateBytes, layout_key
 from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.projection.profiles import HardwareProfile
 from rayvit.strategies.shapes import sequence_length, vit_tensors
@@ -21,12 +21,34 @@ from rayvit.strategies import strategy_class
 
 
 def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
-                flatten: bool = True, per_rank: bool = False):
-    """Model-state bytes of the largest rank (or every rank's, ``per_rank=True``) for ``cfg`` at ``world``."""
-    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten)
+                flatten: bool = True, per_rank: bool = False, per_node: int = 0):
+    """Model-state bytes of the largest rank (or every rank's, ``per_rank=True``) for ``cfg`` at ``world``
+    (``per_node`` chips to a node, where known)."""
+    world = world or cfg.parallel.num_workers
     strategy = strategy_class(cfg.parallel.strategy)
-    ranks = [strategy.rank_state(layout, r) for r in range(layout.n)]
-    return ranks if per_rank else max(ranks, key=lambda b: b.total)
+    key = layout_key(cfg, world, layer_norm_fp32, flatten, per_node, id(strategy), per_rank)
+    ranks = _RANK_STATES.get(key)
+    if ranks is None:
+        layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten, per_node=per_node)
+        which = range(layout.n) if per_rank or not _knows_heaviest(strategy) else strategy.heaviest_ranks(layout)
+        ranks = _RANK_STATES.setdefault(key, tuple(strategy.rank_state(layout, r) for r in which))
+        if len(_RANK_STATES) > 4096:          # a plan's settings share a few hundred; keep it bounded
+            _RANK_STATES.clear()
+    return list(ranks) if per_rank else max(ranks, key=lambda b: b.total)
+
+
+def _knows_heaviest(strategy) -> bool:
+    """Whether ``strategy.heaviest_ranks`` speaks for its ``rank_state``: defined by the class that defines
+    ``rank_state`` or one below it (a plugin overriding ``rank_state`` alone gets every rank costed)."""
+    def owner(name):
+        return next(c for c in strategy.__mro__ if name in vars(c))
+
+    return issubclass(owner("heaviest_ranks"), owner("rank_state"))
+
+
+# Every rank's state by the layout it was costed for (``layout_key``): costing it walks every tensor of
+# every rank, and a plan asks again for each batch size and image of the same strategy and chip count.
+_RANK_STATES: dict[str, tuple[StateBytes, ...]] = {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,10 +110,10 @@ def fixed_activation_bytes(cfg: Config) -> int:
     return sum(t.numel for t in tensors if not t.norm and len(t.shape) > 1) * 2
 
 
-def transient_bytes(cfg: Config, world: int, *, layer_norm_fp32: Optional[bool] = None) -> int:
+def transient_bytes(cfg: Config, world: int, *, layer_norm_fp32: Optional[bool] = None, per_node: int = 0) -> int:
     """Buffers that exist only during the step, beside model state and activations (the strategy's:
     DDP's gradient buckets, FSDP's gathered units; ``Strategy.transient_bytes``)."""
-    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32)
+    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, per_node=per_node)
     return strategy_class(cfg.parallel.strategy).transient_bytes(layout)
 
 
@@ -130,11 +152,12 @@ def memory(cfg: Config, world: Optional[int] = None, profile: Optional[HardwareP
            attention: Optional[str] = None) -> MemoryBreakdown:
     """Peak bytes per rank for ``cfg`` at ``world`` chips, and whether it fits ``profile``'s chip."""
     world = world or cfg.parallel.num_workers
+    per_node = profile.chips_per_node if profile else 0
     parts = activation_bytes_per_image(cfg, layer_norm_fp32=layer_norm_fp32, attention=attention)
     return MemoryBreakdown(
-        state=model_state(cfg, world, layer_norm_fp32=layer_norm_fp32),
+        state=model_state(cfg, world, layer_norm_fp32=layer_norm_fp32, per_node=per_node),
         activations_per_image=float(sum(parts.values())), fixed_activations=fixed_activation_bytes(cfg),
-        transient=transient_bytes(cfg, world, layer_norm_fp32=layer_norm_fp32),
+        transient=transient_bytes(cfg, world, layer_norm_fp32=layer_norm_fp32, per_node=per_node),
         batch=batch or cfg.train.batch_size, usable=profile.usable_bytes() if profile else None, parts=parts)
 
 

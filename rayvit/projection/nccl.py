@@ -20,6 +20,7 @@ own measured latency and are not priced here.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from rayvit.strategies.costs import bus_factor
@@ -67,6 +68,7 @@ def tree_seconds(nbytes: float, n: int, nodes: int, intra_hw: str, busbw: float,
     return latency * US + nbytes / bandwidth
 
 
+@functools.lru_cache(maxsize=65536)         # pure in its arguments; a plan prices the same message often
 def collective_seconds(kind: str, nbytes: float, n: int, nodes: int, intra_hw: str, busbw: float
                        ) -> tuple[float, str]:
     """(seconds, 'algorithm/protocol') of the cheapest way NCCL has to run one collective."""

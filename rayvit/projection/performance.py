@@ -53,8 +53,9 @@ from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.projection import comms, memory, nccl, roofline
 from rayvit.strategies.costs import Layout
 from rayvit.strategies.dtypes import FULL, Dtypes
-from rayvit.projection.profiles import HardwareProfile
+from rayvit.projection.profiles import HardwareProfile, Link
 from rayvit.strategies import strategy_class
+from rayvit.strategies.registry import lineage
 
 FORWARD_SHARE = 1 / 3
 
@@ -102,6 +103,9 @@ class Projection:
     # Further per-row figures other parts of the projection add (e.g. an input-pipeline term), by name;
     # they travel into ``record()``.
     extras: dict = field(default_factory=dict)
+    # The roofline's shares of forward + backward (matmul, attention, memory-bound; the rest is launch gaps
+    # or the host), where the compute came from it.
+    compute_shares: dict = field(default_factory=dict)
 
     @property
     def dominant(self) -> str:
@@ -165,19 +169,49 @@ def message_time(m: comms.Message, n: int, profile: HardwareProfile, gap_s: Opti
     measured (or gloo) links: ``latency + wait(gap) + factor x bytes / busbw``, the wait for the slowest rank
     read at ``gap_s`` of compute since the previous collective and scaled from the rank count it was
     measured at to ``n`` by the expected maximum of that many ranks. ``path_s``: the strategy's own host
-    work per message."""
+    work per message. A message over a group of the ranks (``Message.group``) runs over that group's links
+    (:func:`group_link`)."""
+    if m.group and m.group != n:
+        n, (link, nodes) = m.group, group_link(profile, m.kind, n, m.group, m.stride)
+    else:
+        link, nodes = profile.link(m.kind, n), profile.nodes(n)
     if n <= 1:
         return 0.0
-    link = profile.link(m.kind, n)
     if link.hw:
-        seconds, _ = nccl.collective_seconds(m.kind, m.bytes, n, profile.nodes(n), profile.intra_hw(n) or link.hw,
-                                             link.busbw)
+        seconds, _ = nccl.collective_seconds(m.kind, m.bytes, n, nodes, profile.intra_hw(n) or link.hw, link.busbw)
         return seconds + path_s
     wait = link.wait_s(gap_s)
     ranks = profile.measured_ranks
     if wait and ranks > 1 and n > ranks:
         wait *= expected_max(n) / expected_max(ranks)
     return link.latency_s + wait + path_s + comms.bus_factor(m.kind, n) * m.bytes / link.busbw
+
+
+def group_span(profile: HardwareProfile, ranks: int, stride: int) -> tuple[int, int]:
+    """(nodes, groups per node) of a group of ``ranks`` ranks whose global ranks lie ``stride`` apart, nodes
+    holding ``profile.chips_per_node`` consecutive ranks each: how many nodes it crosses, and how many groups
+    of its family (every group of a strided family runs the same collective at once) share each node's
+    network."""
+    per_node = profile.chips_per_node
+    if stride <= 1:
+        return profile.nodes(ranks), 1
+    nodes = len({k * stride // per_node for k in range(ranks)})
+    return nodes, min(stride, per_node) if nodes > 1 else 1
+
+
+def group_link(profile: HardwareProfile, kind: str, n: int, ranks: int, stride: int) -> tuple[Link, int]:
+    """(the link, the nodes spanned) of a collective over a group of ``ranks`` of the ``n`` ranks, ``stride``
+    apart. Within a node it is the node's link; across nodes the network's for as many nodes, shared by the
+    groups of its family that cross each node's NICs at once (HSDP's replica all-reduces: one per shard
+    index, each moving 1/shard of the gradients, together what one DDP all-reduce moves), and never faster
+    than the node's own link."""
+    nodes, share = group_span(profile, ranks, stride)
+    if nodes <= 1:
+        return profile.link(kind, min(ranks * stride, profile.chips_per_node) if stride > 1 else ranks), 1
+    net = profile.link(kind, nodes * profile.chips_per_node)
+    if share > 1:
+        net = dataclasses.replace(net, busbw=min(net.busbw / share, profile.intra.busbw))
+    return net, nodes
 
 
 def exposed_communication(messages: list[comms.Message], n: int, profile: HardwareProfile,
@@ -210,15 +244,15 @@ def contention_s(hidden_s: float, profile: HardwareProfile) -> float:
     return hidden_s * s / (1.0 + s)
 
 
-def optimizer_elements(cfg: Config, n: int) -> tuple[int, int]:
+def optimizer_elements(cfg: Config, n: int, per_node: int = 0) -> tuple[int, int]:
     """(elements, tensors) the largest rank's optimizer steps (the strategy's ``optimizer_elements``)."""
-    return strategy_class(cfg.parallel.strategy).optimizer_elements(Layout.of(cfg, n))
+    return strategy_class(cfg.parallel.strategy).optimizer_elements(Layout.of(cfg, n, per_node=per_node))
 
 
 def optimizer_time(cfg: Config, n: int, profile: HardwareProfile, *,
                    layer_norm_fp32: Optional[bool] = None) -> float:
     dt = Dtypes.of(cfg, layer_norm_fp32)
-    elements, tensors = optimizer_elements(cfg, n)
+    elements, tensors = optimizer_elements(cfg, n, profile.chips_per_node)
     state, grad = dt.optimizer_state(False), dt.stored(False)
     per_element = (4 if cfg.optim.name == "sgd" else 6) * state + grad
     if dt.has_master(False):
@@ -283,16 +317,22 @@ def compute_from_measured(cfg: Config, images_per_sec: float, profile: HardwareP
     batch = cfg.train.batch_size
     step = batch / images_per_sec
     overhead = optimizer_time(cfg, chips, profile)
-    msgs = comms.step_messages(cfg, chips)
+    msgs = comms.step_messages(cfg, chips, per_node=profile.chips_per_node)
     fb = (step - overhead) / (profile.shared_host_slowdown if _shares_host(profile, chips) else 1.0)
     # The measured step's communication and stragglers, as this model sees them, are not compute either.
     _, exposed = exposed_communication(msgs, chips, profile, fb * FORWARD_SHARE, fb * (1 - FORWARD_SHARE),
                                        gap_s=step_gap(fb + overhead, msgs),
-                                       path_s=profile.collective_path_s.get(cfg.parallel.strategy, 0.0))
+                                       path_s=inherited(profile.collective_path_s, cfg.parallel.strategy))
     fb -= exposed + straggler_s(profile, chips, fb + overhead)
     # A measured run with activation checkpointing computed its checkpointed blocks' forward twice.
     fb /= 1.0 + recompute_fraction(cfg, profile)
     return ComputeRate(max(fb, 0.0) / batch, f"measured: {source}")
+
+
+def inherited(measured: dict[str, float], strategy: str) -> float:
+    """A figure measured by strategy name: ``strategy``'s own, else that of the nearest strategy its runtime
+    is built on (``registry.lineage``: HSDP is FSDP2's), else 0."""
+    return next((measured[n] for n in lineage(strategy) if n in measured), 0.0)
 
 
 def step_gap(work_s: float, messages: list[comms.Message]) -> Optional[float]:
@@ -326,11 +366,11 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
         one, one_recompute = one * profile.shared_host_slowdown, one_recompute * profile.shared_host_slowdown
     fb, recompute = one * accumulation, one_recompute * accumulation
     fwd, bwd = one * forward_share, one * (1 - forward_share) + one_recompute
-    msgs = comms.step_messages(cfg, chips, layer_norm_fp32=layer_norm_fp32)
+    msgs = comms.step_messages(cfg, chips, layer_norm_fp32=layer_norm_fp32, per_node=profile.chips_per_node)
     opt = optimizer_time(cfg, chips, profile, layer_norm_fp32=layer_norm_fp32)
     comm_s, exposed = exposed_communication(msgs, chips, profile, fwd, bwd,
                                             gap_s=step_gap(fb + recompute + opt + max(overhead_s, 0.0), msgs),
-                                            path_s=profile.collective_path_s.get(cfg.parallel.strategy, 0.0))
+                                            path_s=inherited(profile.collective_path_s, cfg.parallel.strategy))
     # A negative overhead (the anchor point ran faster than this model says) never takes the step below
     # its compute.
     overhead_s = max(overhead_s, -(exposed + opt))
@@ -346,7 +386,15 @@ def project(cfg: Config, chips: int, profile: HardwareProfile, compute: Optional
                       comms.bytes_moved_per_rank(msgs, chips), compute.source,
                       label=strategy_class(cfg.parallel.strategy).label(cfg), overhead_s=overhead_s, notes=notes,
                       recompute_s=recompute, straggler_s=waiting, hardware=profile.name,
-                      compute_detail=compute.breakdown.describe() if compute.breakdown else "")
+                      compute_detail=compute.breakdown.describe() if compute.breakdown else "",
+                      compute_shares=_shares(compute.breakdown))
+
+
+def _shares(ct: Optional[roofline.ComputeTime]) -> dict[str, float]:
+    if ct is None:
+        return {}
+    return {name: ct.total(kind) / ct.seconds for name, kind in
+            (("matmul", "matmul"), ("attention", "attention"), ("memory-bound", "memory"))}
 
 
 def project_grid(cfg: Config, chip_counts: list[int], variants: list[Config], profile: HardwareProfile,
@@ -383,5 +431,6 @@ def add_ratios(points: list[Projection]) -> None:
 
 
 __all__ = ["ComputeRate", "Projection", "project", "project_grid", "compute_from_peak", "compute_from_measured",
-           "optimizer_time", "exposed_communication", "contention_s", "message_time", "step_gap", "expected_max",
+           "optimizer_time", "exposed_communication", "contention_s", "message_time", "group_link", "step_gap",
+           "expected_max",
            "straggler_s", "recompute_fraction"]

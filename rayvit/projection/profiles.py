@@ -92,6 +92,9 @@ class HardwareProfile:
     # Fraction of ``memory_bw`` streaming kernels reach (elementwise ops, the optimizer): copy benchmarks
     # reach ~90% of an HBM data sheet's figure; eager PyTorch's elementwise kernels less. 0.8 assumed.
     memory_efficiency: float = 0.8
+    # Fraction reduction kernels reach (LayerNorm, softmax, the loss, bias-gradient sums); None: as streaming
+    # ones. Lower on Hopper (``_HOPPER_REDUCTION``).
+    reduction_efficiency: Optional[float] = None
     # Spread of chips' sustained speed (coefficient of variation): "5% and higher differences on an 8-gpu
     # node" between GPUs of one SKU (stas00/ml-engineering, compute/accelerator, "Not all accelerators are
     # created equal": silicon lottery, cooling); the expected range of 8 normal draws is 2.85 sigma, so
@@ -126,6 +129,14 @@ class HardwareProfile:
     # A host without a data-sheet peak (CPUs): the matmul rate measured on it, FLOP/s by dtype key
     # ('fp32', 'bf16', ...), by whoever measured it (rayvit.measure.host); the projection measures nothing.
     measured_peaks: dict = field(default_factory=dict)
+    # What a cluster file (rayvit.projection.cluster_file) adds: the node's CPUs (vCPUs or physical cores),
+    # the price of one chip-hour, and which figures came from the file (for every header).
+    cpus_per_node: Optional[float] = None
+    cpus_are_vcpus: Optional[bool] = None
+    price_per_chip_hour: Optional[float] = None
+    currency: str = ""
+    described: tuple = ()
+    described_by: str = ""
 
     def peak_flops(self, dtype_key: str) -> Optional[float]:
         """Dense peak FLOP/s for 'fp32' / 'tf32' / 'fp16' / 'bf16', from ``PEAK_TFLOPS``; for CPUs the rate
@@ -207,7 +218,7 @@ _NVLINK_EFF = 0.75
 # Network: p4d.24xlarge / p4de.24xlarge have 4 x 100 Gb/s EFA = 400 Gb/s = 50 GB/s per node (AWS EC2
 # P4 instance page); DGX H100 / H200 have 8 x 400 Gb/s ConnectX-7 InfiniBand = 400 GB/s per node
 # (DGX H100/H200 user guides). 0.8 of line rate is assumed achievable by NCCL rings.
-_NET_EFF = 0.8
+_NET_EFF = NET_EFFICIENCY = 0.8
 # Latencies: a few microseconds per NVLink hop and ~10 us per network hop; NCCL's small-message
 # all-reduce on one 8-GPU node is ~15-25 us, across nodes ~30-60 us. Stated, not measured here.
 _NVLINK_A100 = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink 3: 300 GB/s each way x 0.75", hw="nvlink")
@@ -239,6 +250,15 @@ _BRIDGE_H100_NVL = Link(300 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H100 NVL 
 _BRIDGE_H200_NVL = Link(450 * GB * _NVLINK_EFF, 20e-6, "NVLink bridge (H200 NVL, 4-way): 450 GB/s each way x 0.75",
                         hw="nvlink")
 _NET_PCIE_SERVER = Link(50 * GB * _NET_EFF, 50e-6, "4 x 100 Gb/s per node x 0.8 (assumed)", hw="net")
+# Reduction kernels on Hopper (norms, softmax, a loss, a bias gradient's sum): written with torch.compile or
+# Liger they run at 1/1.33 to 1/1.5 of the ~3 TB/s that speed-of-light kernels reach on an H100 SXM ("Getting
+# Memory-bound Kernels to Speed-of-Light", Guo, Zadouri and Dao, 2025: QuACK is 33-50% faster than both),
+# 2.0-2.25 TB/s: 0.60-0.67 of the 3.35 TB/s data sheet; 0.63 is taken, for every Hopper part (an assumption:
+# the same SMs and kernels; HBM3e needs still more bytes in flight). Elementwise kernels and copies keep
+# ``memory_efficiency`` (0.8; copy and STREAM-triad kernels reach ~0.9 of an H100's data sheet). An A100's
+# HBM2e is filled by fewer bytes in flight (2 TB/s against 3.35 at a similar latency, Little's law): its
+# reductions keep the streaming figure.
+_HOPPER_REDUCTION = 0.63
 
 PROFILES: dict[str, HardwareProfile] = {
     # V100 SXM2 16 / 32 GB: HBM2 900 GB/s (V100 data sheet); AWS p3.16xlarge / p3dn.24xlarge, 8 GPUs.
@@ -257,28 +277,34 @@ PROFILES: dict[str, HardwareProfile] = {
                                 source="A100 SXM4 80GB, DGX A100 fabric (8 x 200 Gb/s HDR)"),
     # H100 SXM5 80 GB: HBM3 3.35 TB/s (H100 data sheet); DGX H100: 8 x 400 Gb/s InfiniBand.
     "h100-sxm": HardwareProfile("h100-sxm", "H100", 80.0, 3350 * GB, 8, _NVLINK_H, _IB_8X400,
-                                source="H100 SXM5 80GB, DGX H100 fabric"),
+                                reduction_efficiency=_HOPPER_REDUCTION, source="H100 SXM5 80GB, DGX H100 fabric"),
     # H100 PCIe 80 GB: HBM2e 2 TB/s (H100 PCIe data sheet); 8 cards on PCIe Gen5, no NVLink bridges.
     "h100-pcie": HardwareProfile("h100-pcie", "H100 PCIe", 80.0, 2000 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
-                                 source="H100 PCIe 80GB, 8 cards on PCIe Gen5"),
+                                 reduction_efficiency=_HOPPER_REDUCTION, source="H100 PCIe 80GB, 8 cards on PCIe Gen5"),
     # H100 NVL 94 GB: HBM3 3.9 TB/s (H100 data sheet, NVL column); 8 cards, NVLink-bridged in pairs.
     "h100-nvl": HardwareProfile("h100-nvl", "H100 NVL", 94.0, 3900 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
                                 bridge=_BRIDGE_H100_NVL, bridge_chips=2,
-                                source="H100 NVL 94GB, 8 cards on PCIe Gen5, NVLink bridge per pair"),
+                                reduction_efficiency=_HOPPER_REDUCTION, source="H100 NVL 94GB, 8 cards on PCIe Gen5, NVLink bridge per pair"),
     # H200 SXM 141 GB: HBM3e 4.8 TB/s (H200 data sheet); DGX H200: 8 x 400 Gb/s InfiniBand.
     "h200": HardwareProfile("h200", "H200", 141.0, 4800 * GB, 8, _NVLINK_H, _IB_8X400,
-                            source="H200 SXM 141GB, DGX H200 fabric"),
+                            reduction_efficiency=_HOPPER_REDUCTION, source="H200 SXM 141GB, DGX H200 fabric"),
     # H200 NVL 141 GB: HBM3e 4.8 TB/s (H200 data sheet, NVL column); 8 cards, 4-way NVLink bridges.
     "h200-nvl": HardwareProfile("h200-nvl", "H200 NVL", 141.0, 4800 * GB, 8, _PCIE_GEN5, _NET_PCIE_SERVER,
                                 bridge=_BRIDGE_H200_NVL, bridge_chips=4,
-                                source="H200 NVL 141GB, 8 cards on PCIe Gen5, 4-way NVLink bridges"),
+                                reduction_efficiency=_HOPPER_REDUCTION, source="H200 NVL 141GB, 8 cards on PCIe Gen5, 4-way NVLink bridges"),
     # GH200: the Hopper GPU of a Grace Hopper superchip, 96 GB HBM3 at 4 TB/s (GH200 480GB) or 144 GB
     # HBM3e at 4.9 TB/s (GH200 data sheet), one superchip per node.
     "gh200": HardwareProfile("gh200", "GH200", 96.0, 4000 * GB, 1, _NET_GH200, _NET_GH200,
-                             source="GH200 96GB HBM3, one superchip per node, 400 Gb/s"),
+                             reduction_efficiency=_HOPPER_REDUCTION, source="GH200 96GB HBM3, one superchip per node, 400 Gb/s"),
     "gh200-144gb": HardwareProfile("gh200-144gb", "GH200", 144.0, 4900 * GB, 1, _NET_GH200, _NET_GH200,
-                                   source="GH200 144GB HBM3e, one superchip per node, 400 Gb/s"),
+                                   reduction_efficiency=_HOPPER_REDUCTION, source="GH200 144GB HBM3e, one superchip per node, 400 Gb/s"),
 }
+
+# vCPUs per node of the instances these profiles describe (AWS's instance pages), hyperthreads two per
+# physical core: p4d/p4de.24xlarge (8 A100) 96 (48 cores); p5.48xlarge (8 H100) and p5e/p5en.48xlarge
+# (8 H200) 192 (96 cores). A cluster file based on one of them inherits its CPUs unless it gives its own.
+for _name, _vcpus in {"a100-40gb": 96, "a100-80gb": 96, "h100-sxm": 192, "h200": 192}.items():
+    PROFILES[_name] = PROFILES[_name].replace(cpus_per_node=float(_vcpus), cpus_are_vcpus=True)
 
 # The profiles of each ``PEAK_TFLOPS`` chip, by the smallest device memory (GiB) each is chosen from:
 # CUDA reports a little less than the marketed size (an A100 80GB has 79.2 GiB).
@@ -341,14 +367,20 @@ def generic_gpu_profile(name: str, memory_bytes: Optional[float] = None) -> Hard
 
 
 def get_profile(name: str, cpu_peaks: Optional[dict] = None) -> HardwareProfile:
-    """The profile named ``name``; ``cpu`` is this host's workers, with ``cpu_peaks`` (its measured rates)."""
+    """The profile named ``name``; ``cpu`` is this host's workers, with ``cpu_peaks`` (its measured rates);
+    a path ending in .yaml / .yml is a cluster the user describes (:mod:`rayvit.projection.cluster_file`)."""
+    from rayvit.projection import cluster_file
+
+    if cluster_file.is_cluster_file(name):
+        return cluster_file.load_cluster_file(name, PROFILES, NET_EFFICIENCY)
     if name == "cpu":
         return cpu_profile(peaks=cpu_peaks)
     try:
         return PROFILES[name]
     except KeyError:
         raise ConfigError(f"unknown hardware profile {name!r}; choose one of: "
-                       f"{', '.join([*PROFILES, 'cpu'])}") from None
+                          f"{', '.join([*PROFILES, 'cpu'])}, or a cluster file (.yaml: cluster/example_cluster.yaml)"
+                          ) from None
 
 
 def profile_for_accelerator(accelerator: Optional[str], memory_bytes: Optional[float] = None) -> HardwareProfile:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from rayvit.config import Config, ConfigError, from_dict
-from rayvit.projection.performance import ComputeRate, compute_from_measured
-from rayvit.projection.profiles import HardwareProfile
+from rayvit.config import BASELINE, Config, ConfigError, from_dict
+from rayvit.projection.performance import ComputeRate, compute_from_measured, project
+from rayvit.projection.profiles import HardwareProfile, with_measured_links
 
 
 def _check_match(measured: Config, cfg: Config, where: str) -> None:
@@ -57,7 +57,7 @@ def from_gpu_check(data: dict[str, Any], cfg: Config, profile: HardwareProfile, 
 
 
 def load_rate(path: str | Path, cfg: Config, profile: HardwareProfile) -> ComputeRate:
-    data = json.loads(Path(path).read_text())
+    data = _read(path)
     if "groups" in data:
         return from_bench(data, cfg, profile, str(path))
     if "ladder" in data:
@@ -65,3 +65,51 @@ def load_rate(path: str | Path, cfg: Config, profile: HardwareProfile) -> Comput
     if "metrics" in data and "config" in data:
         return from_result(data, cfg, profile, str(path))
     raise ConfigError(f"{path}: not a rayvit result.json, bench --json or gpu_check JSON")
+
+
+def _read(path: str | Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"--measured {path}: cannot be read ({e.strerror})") from None
+    except ValueError as e:
+        raise ConfigError(f"--measured {path}: not JSON ({e})") from None
+
+
+def is_links(data: dict[str, Any]) -> bool:
+    """A sweep's ``links.json`` (``rayvit.measure.links``): its collectives, backend and world size."""
+    return "collectives" in data and "backend" in data
+
+
+def load_measured(paths: list[str], cfg: Config, profile: HardwareProfile
+                  ) -> tuple[HardwareProfile, Optional[ComputeRate], dict[str, float]]:
+    """What several measurements say together, as a sweep's own projection reads them
+    (:mod:`rayvit.projection.insweep`): a sweep's ``links.json`` replaces the profile's links; the compute
+    rate comes from DDP's point at the smallest count among the ``result.json`` files given (else any
+    strategy's; else a ``bench`` or ``gpu-check`` file); and each strategy whose point is given has its own
+    per-step overhead: its measured step less its projection without one, at its smallest count.
+
+    Returns (the profile, the rate or None, {strategy: overhead seconds})."""
+    loaded = [(str(p), _read(p)) for p in paths]
+    for path, data in loaded:
+        if is_links(data):
+            profile = with_measured_links(profile, data)
+    results = sorted(((p, d) for p, d in loaded if "metrics" in d and "config" in d),
+                     key=lambda pd: (int(pd[1]["conditions"].get("world_size", 1)),
+                                     from_dict(pd[1]["config"]).parallel.strategy != BASELINE))
+    others = [(p, d) for p, d in loaded if not is_links(d) and (p, d) not in results]
+    if not results:
+        return profile, (load_rate(others[0][0], cfg, profile) if others else None), {}
+    path, data = results[0]
+    rate = from_result(data, cfg, profile, path)
+    overheads: dict[str, float] = {}
+    for path, data in results:
+        measured = from_dict(data["config"])
+        _check_match(measured, cfg, path)
+        if measured.parallel.strategy in overheads:
+            continue
+        n = int(data["conditions"].get("world_size", 1))
+        step = measured.train.batch_size / data["metrics"]["images_per_sec_per_chip"]
+        overheads[measured.parallel.strategy] = step - project(measured, n, profile, rate, peak=1.0).step_s
+    overheads[from_dict(results[0][1]["config"]).parallel.strategy] = 0.0   # the rate's own point
+    return profile, rate, overheads

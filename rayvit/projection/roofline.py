@@ -40,7 +40,7 @@ from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, NO_BF16_TENSOR_CORES, Ch
 from rayvit.config import Config
 from rayvit.models.checkpointing import checkpointed_blocks
 from rayvit.strategies.dtypes import FULL, HALF, Dtypes
-from rayvit.strategies.shapes import sequence_length
+from rayvit.strategies.shapes import sequence_length, vit_tensors
 
 TILES = ((128, 128), (128, 256), (256, 128))
 # Cycles a GEMM tile spends beyond its math (the first loads of its software pipeline, its epilogue), and
@@ -51,11 +51,20 @@ TILES = ((128, 128), (128, 256), (256, 128))
 # reproduce those within ~10%. Taken for every chip (the same pipeline structure; an assumption).
 TILE_OVERHEAD_CYCLES = 2500
 GEMM_LAUNCH_S = 4e-6
-# A GEMM whose dimensions are not multiples of 16 bytes cannot use the vectorised (16-byte) loads cuBLAS's
-# fast Tensor Core kernels need and runs a slower kernel (NVIDIA, "Matrix Multiplication Background
-# User's Guide", Tensor Core Requirements). Assumed: half the rate.
+# cuBLAS's fastest Tensor Core kernels load each operand in 16-byte vectors along the dimension that is
+# contiguous in memory, so they need that dimension and each row's stride (the leading dimension) to be a
+# multiple of 16 bytes: the cuBLAS documentation, "Tensor Core Usage" (section 2.1.11 since CUDA 11), lists
+# exactly those conditions, per operand, in its column-major terms ((op_A == N ? m : k), (op_B == N ? k : n),
+# m of C, lda, ldb, ldc); the other dimension of each operand, the one a tile only strides along, is not among
+# them. In a Linear's three GEMMs the token count is that other dimension everywhere (rows of X and Y; the
+# reduced K of the weight gradient, whose operands are X and dY read along their feature dimension): it never
+# needs aligning, whatever the batch. Below the documented conditions cuBLAS falls back to kernels with
+# narrower loads. Assumed: half the rate (no published measurement of the fallback's speed was found).
 MISALIGNED_RATE = 0.5
 SPLIT_K_MIN = 512           # split-K keeps at least this much K per part
+# Memory-bound operations that reduce along a row (their kernels, not their bytes, set their speed: profiles
+# ``reduction_efficiency``): a LayerNorm and its backward, a softmax, a loss, a bias gradient's sum, a mean.
+REDUCTIONS = ("layernorm", "softmax", "bias grads", "pool", "loss")
 FLASH_BLOCK = 128           # FlashAttention-2's query/key block rows
 FLASH_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 
@@ -71,6 +80,13 @@ class Chip:
     half: bool                  # tensor-core half-precision matmuls (flash attention needs them)
     kernel_gap_s: float
     host_op_s: float
+    reduction_bw: float = 0.0   # bytes/s reduction kernels reach (norms, softmax, sums); 0: memory_bw
+
+    def stream_s(self, nbytes: float, name: str = "") -> float:
+        """Seconds a memory-bound kernel named ``name`` takes over ``nbytes``: reductions (:data:`REDUCTIONS`)
+        at ``reduction_bw``, everything else at ``memory_bw``."""
+        reduces = self.reduction_bw and any(word in name for word in REDUCTIONS)
+        return nbytes / (self.reduction_bw if reduces else self.memory_bw)
 
     @property
     def sm_rate(self) -> float:
@@ -139,18 +155,27 @@ def chip_for(profile, dtype_key: str) -> Optional[Chip]:
     if spec is None or peak is None:
         return None
     half = dtype_key in ("fp16", "bf16") and not (dtype_key == "bf16" and spec.name in NO_BF16_TENSOR_CORES)
+    reduction = profile.reduction_efficiency
     return Chip(spec, peak, profile.memory_bw * profile.memory_efficiency,
-                BOOST_CLOCK_GHZ[spec.name] * 1e9 * spec.sustained_clock, half, profile.kernel_gap_s, profile.host_op_s)
+                BOOST_CLOCK_GHZ[spec.name] * 1e9 * spec.sustained_clock, half, profile.kernel_gap_s, profile.host_op_s,
+                profile.memory_bw * reduction if reduction else 0.0)
 
 
 # ------------------------------------------------------------------------------------------------
 # Matmuls
 
 
-def gemm_seconds(chip: Chip, m: int, n: int, k: int, *, batch: int = 1, elem: int = HALF) -> float:
-    """One (batched) GEMM of ``m x k`` by ``k x n``: the best of cuBLAS's large tiles, waves over the SMs."""
+def gemm_seconds(chip: Chip, m: int, n: int, k: int, *, batch: int = 1, elem: int = HALF,
+                 contiguous: Optional[Sequence[int]] = None) -> float:
+    """One (batched) GEMM of ``m x k`` by ``k x n``: the best of cuBLAS's large tiles, waves over the SMs.
+
+    ``contiguous``: the dimensions the operands are laid out along in memory, which must be multiples of 16
+    bytes for the fast kernels (:data:`MISALIGNED_RATE`). Default ``(k, n)``: A row-major (``m x k``, as
+    activations are), B either way, C row-major; a weight gradient, whose A is a transposed view, has ``(m, n)``.
+    """
     sms, best = chip.spec.sms, math.inf
-    rate = chip.sm_rate * (1.0 if all(d * elem % 16 == 0 for d in (m, n, k)) else MISALIGNED_RATE)
+    aligned = all(d * elem % 16 == 0 for d in (contiguous if contiguous is not None else (k, n)))
+    rate = chip.sm_rate * (1.0 if aligned else MISALIGNED_RATE)
     for tm, tn in TILES:
         tiles = -(-m // tm) * -(-n // tn) * batch
         split = 1
@@ -174,8 +199,9 @@ def linear_ops(chip: Chip, name: str, tokens: int, d_in: int, d_out: int, elem: 
         out.append(Op(f"{name} dgrad", "matmul", "backward", flops, mem,
                       gemm_seconds(chip, tokens, d_in, d_out, elem=elem)))
     if weight_grad:
+        # dW = dY^T X: both read along their feature dimension; the tokens are the reduced K.
         out.append(Op(f"{name} wgrad", "matmul", "backward", flops, mem,
-                      gemm_seconds(chip, d_in, d_out, tokens, elem=elem)))
+                      gemm_seconds(chip, d_in, d_out, tokens, elem=elem, contiguous=(d_in, d_out))))
     return out
 
 
@@ -217,11 +243,11 @@ def attention_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
     forward_bytes = elements * ((c + FULL) + 2 * FULL + (FULL + c) + drop)
     backward_bytes = elements * ((c + FULL) + 3 * FULL + (FULL + c) + drop)
     return [Op("q k^T", "attention", "forward", fwd / 2, elements * c, qk),
-            Op("softmax", "attention", "forward", 0.0, forward_bytes, forward_bytes / chip.memory_bw, kernels=3),
+            Op("softmax", "attention", "forward", 0.0, forward_bytes, chip.stream_s(forward_bytes, "softmax"), kernels=3),
             Op("p v", "attention", "forward", fwd / 2, elements * c, pv),
             Op("attention matmuls backward", "attention", "backward", 2 * fwd, 4 * elements * c,
                2 * (qk + pv), kernels=4),
-            Op("softmax backward", "attention", "backward", 0.0, backward_bytes, backward_bytes / chip.memory_bw,
+            Op("softmax backward", "attention", "backward", 0.0, backward_bytes, chip.stream_s(backward_bytes, "softmax"),
                kernels=3)]
 
 
@@ -282,7 +308,7 @@ def block_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
            + attention_ops(chip, cfg, batch, kernel))
     fused = cfg.model.compile
     for (name, phase), per_token in block_memory_bytes(cfg, fused).items():
-        ops.append(Op(name, "memory", phase, 0.0, per_token * tokens, per_token * tokens / chip.memory_bw))
+        ops.append(Op(name, "memory", phase, 0.0, per_token * tokens, chip.stream_s(per_token * tokens, name)))
     return ops
 
 
@@ -299,12 +325,29 @@ def outer_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
     per_token = {"pos add": (r + c + r) * h, "final layernorm": 2 * (r + FULL) * h,
                  "pool / select": r * h}
     for name, b in per_token.items():
-        ops.append(Op(name, "memory", "forward", 0.0, b * tokens, b * tokens / chip.memory_bw))
+        ops.append(Op(name, "memory", "forward", 0.0, b * tokens, chip.stream_s(b * tokens, name)))
         ops.append(Op(f"{name} backward", "memory", "backward", 0.0, 1.5 * b * tokens,
-                      1.5 * b * tokens / chip.memory_bw))
+                      chip.stream_s(1.5 * b * tokens, name)))
     ops.append(Op("image read", "memory", "forward", 0.0, image * (FULL + c), image * (FULL + c) / chip.memory_bw))
     ops += linear_ops(chip, "head", batch, h, m.num_classes, c)
-    return ops
+    return ops + autocast_weight_ops(chip, cfg)
+
+
+def autocast_weight_ops(chip: Chip, cfg: Config) -> list[Op]:
+    """``precision.mode=amp`` (AMP O1): the weights stay fp32 and autocast casts each matmul's weight to half on
+    its first use in every forward (``torch.autocast`` caches the cast for the rest of that forward), and the
+    cast's backward turns the half weight gradient into the fp32 gradient the parameter keeps: 4 + 2 bytes
+    read and written per weight element each way, one kernel per weight tensor each way. O2 (``mixed``)
+    keeps half weights and does neither; its master copy's casts are the optimizer's
+    (``performance.optimizer_time``)."""
+    if cfg.precision.mode != "amp":
+        return []
+    weights = [t for t in vit_tensors(cfg.model) if not t.norm and len(t.shape) > 1]
+    moved = sum(t.numel for t in weights) * (FULL + HALF)
+    return [Op("weight casts to half (autocast)", "memory", "forward", 0.0, moved, moved / chip.memory_bw,
+               kernels=len(weights)),
+            Op("weight gradient casts to fp32", "memory", "backward", 0.0, moved, moved / chip.memory_bw,
+               kernels=len(weights))]
 
 
 def _conv_stem_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
@@ -324,7 +367,22 @@ def _conv_stem_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
 def step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op] = ()) -> ComputeTime:
     """Forward + backward of one training step of ``cfg`` at ``batch`` images on ``chip``; ``extra_ops``:
     operations a model other than rayvit's ViT runs besides (a published run's heads), issued and timed
-    like the rest."""
+    like the rest. The same model, precision, chip and batch are costed once (``rayvit plan`` asks for each
+    strategy and chip count); the result is shared: read it, never change it."""
+    if extra_ops:
+        return _step_compute(cfg, chip, batch, extra_ops)
+    key = (repr((cfg.model, cfg.precision)), chip, batch)
+    if key not in _COMPUTED:
+        if len(_COMPUTED) > 4096:
+            _COMPUTED.clear()
+        _COMPUTED[key] = _step_compute(cfg, chip, batch, ())
+    return _COMPUTED[key]
+
+
+_COMPUTED: dict = {}
+
+
+def _step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op]) -> ComputeTime:
     kernel = attention_kernel(cfg, chip)
     block = block_ops(chip, cfg, batch, kernel)
     depth = cfg.model.depth
@@ -332,7 +390,8 @@ def step_compute(cfg: Config, chip: Chip, batch: int, extra_ops: Sequence[Op] = 
            for o in block] + outer_ops(chip, cfg, batch) + list(extra_ops)
     block_forward = sum(o.seconds for o in block if o.phase == "forward")
     recompute = len(checkpointed_blocks(cfg.model)) * block_forward
-    kernels = depth * block_kernels(cfg, cfg.model.compile) + 30 + sum(o.kernels for o in extra_ops)
+    kernels = depth * block_kernels(cfg, cfg.model.compile) + 30 + sum(o.kernels for o in extra_ops) \
+        + sum(o.kernels for o in autocast_weight_ops(chip, cfg))
     notes = []
     if not chip.half and cfg.precision.mode != "fp32":
         notes.append(f"{chip.spec.name} has no {cfg.precision.dtype} tensor cores: its matmuls run at the "

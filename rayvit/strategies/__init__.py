@@ -4,6 +4,7 @@
 | ----------------- | ---------- | ---------------- | --------------- | -------- |
 | `ddp`             | replicated | all-reduced      | replicated      | CPU, GPU |
 | `fsdp`            | sharded    | reduce-scatter   | sharded         | CPU, GPU | PyTorch FSDP2 (`fully_shard`)
+| `hsdp`            | sharded in a node | reduce-scatter, then all-reduce across nodes | sharded in a node | CPU, GPU | FSDP2 on a 2-D mesh
 | `fairscale_oss`   | replicated | reduced to owner | sharded         | CPU, GPU | FairScale OSS + ShardedDDP
 | `fairscale_fsdp`  | sharded    | reduce-scatter   | sharded         | GPU only | FairScale FSDP, as the study used
 
@@ -20,9 +21,10 @@ from rayvit.strategies.ddp import DDP
 from rayvit.strategies.fairscale_fsdp import FairScaleFSDP
 from rayvit.strategies.fairscale_oss import FairScaleOSS
 from rayvit.strategies.fsdp import FSDP
+from rayvit.strategies.hsdp import HSDP
 from rayvit.strategies.registry import BASELINE, STRATEGIES, register, strategy_class
 
-for _cls in (DDP, FSDP, FairScaleOSS, FairScaleFSDP):
+for _cls in (DDP, FSDP, HSDP, FairScaleOSS, FairScaleFSDP):
     register(_cls)
 assert BASELINE in STRATEGIES, f"the baseline strategy {BASELINE} is not registered"
 

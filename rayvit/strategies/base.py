@@ -18,7 +18,7 @@ Adding a strategy is one module and one :func:`~rayvit.strategies.registry.regis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 from rayvit.strategies.costs import Layout, Message, StateBytes, tensor_state
 from rayvit.strategies.dtypes import reduces_in_half
@@ -120,6 +120,13 @@ class StrategyCosts:
     def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
         """Bytes of parameters, gradients, masters and optimizer state ``rank`` holds. Replicated: all."""
         return tensor_state(layout, rank)
+
+    @classmethod
+    def heaviest_ranks(cls, layout: Layout) -> Sequence[int]:
+        """The ranks that may hold the most state (the projection reports the largest rank's), so that it
+        need not cost all N: every rank, unless the strategy knows (it holds for its own ``rank_state``
+        only: the projection asks every rank of a subclass that overrides ``rank_state`` alone)."""
+        return range(layout.n)
 
     @classmethod
     def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:

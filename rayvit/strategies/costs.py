@@ -44,6 +44,10 @@ class Message:
     phase: str           # forward, backward, after (after backward, before or after the optimizer)
     what: str = ""
     element_bytes: int = 0   # of a gradient reduction: the reduce dtype's size
+    # The ranks it runs over when not every rank of the step: a group of ``group`` ranks whose global ranks
+    # lie ``stride`` apart (HSDP: its shard groups, stride 1, and its replica groups, stride = shard size).
+    group: int = 0
+    stride: int = 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class Layout:
     """What a strategy's cost model is asked about: ``cfg`` at ``n`` chips, its dtypes and its tensors.
 
     ``flatten``: FairScale FSDP's flat parameters (its default) rather than its unflattened ones.
+    ``per_node``: chips per node where the hardware is known (0: unknown, one node), for strategies whose
+    groups follow the nodes (HSDP).
     """
 
     cfg: Config
@@ -70,12 +76,36 @@ class Layout:
     dt: Dtypes
     tensors: tuple[Tensor, ...]
     flatten: bool = True
+    per_node: int = 0
 
     @classmethod
     def of(cls, cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
-           flatten: bool = True) -> "Layout":
-        return cls(cfg, n or cfg.parallel.num_workers, Dtypes.of(cfg, layer_norm_fp32),
-                   tuple(vit_tensors(cfg.model)), flatten)
+           flatten: bool = True, per_node: int = 0) -> "Layout":
+        return cls(cfg, n or cfg.parallel.num_workers, Dtypes.of(cfg, layer_norm_fp32), _tensors(cfg.model),
+                   flatten, per_node)
+
+
+_TENSORS: dict[str, tuple[Tensor, ...]] = {}
+
+
+def _tensors(model) -> tuple[Tensor, ...]:
+    """``vit_tensors`` of ``model``, built once per architecture (a plan asks for it hundreds of times)."""
+    key = repr(model)
+    if key not in _TENSORS:
+        if len(_TENSORS) > 256:
+            _TENSORS.clear()
+        _TENSORS[key] = tuple(vit_tensors(model))
+    return _TENSORS[key]
+
+
+def layout_key(cfg: Config, *extra) -> str:
+    """A key for what a strategy's cost half reads of ``cfg`` (everything but the training run's budget, data
+    and launch, which no model state or message depends on), plus ``extra``: caches of the projection use it,
+    so that settings differing only in batch or steps share their costing."""
+    import dataclasses
+
+    parallel = dataclasses.replace(cfg.parallel, num_workers=0)
+    return repr((cfg.model, cfg.precision, cfg.optim, parallel, *extra))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -94,6 +94,10 @@ class DDPCosts(StrategyCosts):
                 for i, bucket in enumerate(ddp_buckets(layout.tensors, lambda t: dt.stored(t.norm)))]
 
     @classmethod
+    def heaviest_ranks(cls, layout: Layout) -> tuple[int, ...]:
+        return (0,)                  # every rank holds the same
+
+    @classmethod
     def transient_bytes(cls, layout: Layout) -> int:
         """Its gradient buckets, in the gradient dtype (at one rank too, where the reducer still builds and
         all-reduces them)."""

@@ -168,6 +168,10 @@ class FairScaleFSDPCosts(StrategyCosts):
         return forward + bucketer(backward, layout.n)
 
     @classmethod
+    def heaviest_ranks(cls, layout: Layout) -> tuple[int, ...]:
+        return (0,)                  # padded to equal shards on every rank
+
+    @classmethod
     def rank_state(cls, layout: Layout, rank: int) -> StateBytes:
         n = layout.n
         if not layout.flatten:

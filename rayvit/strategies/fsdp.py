@@ -78,6 +78,10 @@ class FSDPCosts(StrategyCosts):
         return tensor_state(layout, rank, local=lambda t: chunk_local(t, layout.n, rank))
 
     @classmethod
+    def heaviest_ranks(cls, layout: Layout) -> tuple[int, ...]:
+        return (0,)                  # rank 0 holds the longest chunk of every tensor
+
+    @classmethod
     def optimizer_elements(cls, layout: Layout) -> tuple[int, int]:
         return sum(chunk_local(t, layout.n, 0) for t in layout.tensors), len(layout.tensors)
 

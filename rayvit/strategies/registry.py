@@ -34,3 +34,12 @@ def strategy_class(name: str) -> type["Strategy"]:
     except KeyError:
         raise ConfigError(f"parallel.strategy={name!r} is not a registered strategy; choose one of: "
                           f"{', '.join(STRATEGIES)}") from None
+
+
+def lineage(name: str) -> list[str]:
+    """``name`` and the registered strategies its class derives from, nearest first (``hsdp``: ``hsdp``,
+    ``fsdp``): a figure measured for a strategy's runtime (its wrapper's own overhead, its host path per
+    collective) holds for one built on it until that one is measured itself."""
+    cls = strategy_class(name)
+    by_class = {c: n for n, c in STRATEGIES.items()}
+    return [by_class[c] for c in cls.__mro__ if c in by_class and (c is cls or by_class[c] != name)]

@@ -79,7 +79,19 @@ def derive(cfg: Config, overrides: Mapping[str, Any], what: str) -> Config:
 
 def plan(study: Study) -> list[Point]:
     """Every point of the sweep ``study`` describes, validated; raises ConfigError before anything runs."""
+    check_hardware(study)
     return plan_ladder(study) if study.sweep.mode == "ladder" else plan_scaling(study)
+
+
+def check_hardware(study: Study) -> None:
+    """``sweep.hardware``, a profile's name or a cluster file, read once so that a typo fails here."""
+    if study.sweep.hardware:
+        from rayvit.projection.profiles import get_profile
+
+        try:
+            get_profile(study.sweep.hardware)
+        except ConfigError as e:
+            raise ConfigError(f"sweep.hardware={study.sweep.hardware}: {e}") from None
 
 
 def plan_scaling(study: Study) -> list[Point]:

@@ -167,7 +167,7 @@ class _Links:
     def __init__(self, study: Study, todo: list[Point], out: Callable[[str], None]):
         from rayvit.projection import insweep
 
-        self.insweep, self.out = insweep, out
+        self.insweep, self.out, self.hardware = insweep, out, study.sweep.hardware
         self.scaling = study.sweep.mode == "scaling"
         self.count = insweep.links_count(todo) if self.scaling else None
         self.measured: Optional[dict] = None
@@ -200,7 +200,7 @@ class _Links:
         if self.pending:
             return
         for k in range(self.judged, len(outcomes)):
-            self.insweep.judge(run.tracker, outcomes[:k + 1], self.measured, self.out)
+            self.insweep.judge(run.tracker, outcomes[:k + 1], self.measured, self.out, hardware=self.hardware)
         self.judged = len(outcomes)
 
 
@@ -222,7 +222,8 @@ def _finish(run: StudyRun, study: Study, points: list[Point], outcomes: list[Out
         if mode == "scaling":
             from rayvit.projection import insweep as projection
 
-            files += projection.artifacts(outcomes, links, Path(tmp), f"{run.name}: measured against projected")
+            files += projection.artifacts(outcomes, links, Path(tmp), f"{run.name}: measured against projected",
+                                          hardware=study.sweep.hardware)
             _log_curve_runs(run, rows, out)
         report.artifacts = run.finish(files, {"rayvit.points": len(points), "rayvit.failed_points":
                                               len(report.failed)}, failed=bool(report.failed))

@@ -287,6 +287,29 @@ def test_the_ladder_measures_its_rungs_on_one_worker_group(attached):
         assert m["relative_throughput_lo"] <= m["relative_throughput"] <= m["relative_throughput_hi"]
 
 
+@pytest.mark.slow
+def test_hsdp_sweeps_beside_ddp_and_as_a_2x1_mesh_trains_as_ddp(attached):
+    """Two workers as two replicas of one-rank shards: the same losses as DDP at every step, its own curve and
+    projection in the sweep's record."""
+    root, env = attached
+    proc = run_cli(env, "--name", "hsdp", "--set", "sweep.strategies=ddp,hsdp", "--set", "sweep.worker_counts=2",
+                   "--set", "parallel.shard_size=1", "--set", "sweep.rounds=1", *FEW_STEPS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "running ddp, hsdp @ 2 workers" in proc.stdout
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    parent = _parent(client, "cpu_default", "hsdp")
+    points = {c.data.tags["rayvit.point"]: c for c in _children(client, parent.info.run_id)}
+    assert set(points) == {"ddp/w2", "hsdp/w2"}
+    losses = {k: [m.value for m in sorted(client.get_metric_history(c.info.run_id, "loss"), key=lambda m: m.step)]
+              for k, c in points.items()}
+    assert len(losses["hsdp/w2"]) == 6 and losses["hsdp/w2"] == pytest.approx(losses["ddp/w2"], rel=1e-5)
+    hsdp = points["hsdp/w2"].data
+    assert hsdp.params["parallel.shard_size"] == "1" and hsdp.metrics["speedup_vs_ddp"] > 0
+    assert hsdp.metrics["projected_images_per_sec_per_chip"] > 0
+    assert [m.step for m in client.get_metric_history(parent.info.run_id, "tflops_per_chip/hsdp")] == [2]
+    assert {"scaling.png", "projection.png"} <= {f.path for f in client.list_artifacts(parent.info.run_id)}
+
+
 # -- the default sweep (run in the background while the tests above ran) -----------------------------
 
 
@@ -457,3 +480,27 @@ def test_the_mlflow_ui_shows_every_strategy_against_chips_within_two_clicks(defa
     # The study's other curves come with it, against chips too.
     assert {"speedup_vs_ddp", "images_per_sec_per_chip", "mfu"} <= {t["metric"] for t in traces}
     assert {t["xTitle"] for t in traces if t["visible"]} == {"chips"}
+
+
+@pytest.mark.slow
+def test_the_plan_ranks_the_default_sweeps_strategies_as_the_sweep_measured_them(default_sweep, tmp_path):
+    """``rayvit plan --measured`` on the cpu profile, from what the sweep measured at one worker (each
+    strategy's point) and its links, against the sweep's own 2-worker points: wherever two strategies'
+    intervals do not overlap, the plan ranks them in that order."""
+    from plan_checks import measured_order, plan_ranks
+
+    _, client = default_sweep
+    parent = _parent(client, "cpu_default", "default")
+    points = {c.data.tags["rayvit.point"]: c for c in _children(client, parent.info.run_id)}
+    files = [client.download_artifacts(parent.info.run_id, "links.json", str(tmp_path))]
+    for strategy in ("ddp", "fsdp", "fairscale_oss"):
+        (tmp_path / strategy).mkdir()
+        files.append(client.download_artifacts(points[f"{strategy}/w1"].info.run_id, "result.json",
+                                               str(tmp_path / strategy)))
+    ranks = plan_ranks(["--config", str(SCRIPT.parent / "configs" / "cpu_default.yaml"), "--hardware", "cpu",
+                        "--chips", "2", "--batch-per-chip", "16", "--measured", *files])
+    separated = measured_order({s: points[f"{s}/w2"].data.metrics for s in ("ddp", "fsdp", "fairscale_oss")})
+    print(f"\nplan ranks {ranks}; measured apart (faster, slower): {separated}")
+    assert separated, "no two strategies' intervals separated at 2 workers: nothing to check"
+    for faster, slower in separated:
+        assert ranks[faster] < ranks[slower], (faster, slower, ranks)

@@ -44,7 +44,10 @@ from rayvit.config import load_config
 load_config("cpu_default", ["parallel.strategy=fsdp"])
 from rayvit.cli import main
 commands = [["project", "--config", "study_a100", "--out-dir", sys.argv[1]], ["sweep", "--dry-run"],
-            ["sweep", "--dry-run", "--config", "ladder_cpu"], ["search", "--dry-run", "--config", "search_a100"]]
+            ["sweep", "--dry-run", "--config", "ladder_cpu"], ["search", "--dry-run", "--config", "search_a100"],
+            ["plan", "--config", "study_a100", "--top", "3"],
+            ["project", "--config", "study_a100", "--set", "sweep.mode=ladder", "--set", "precision.mode=amp",
+             "--chips", "8"]]
 for argv in commands:
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(argv) == 0, argv

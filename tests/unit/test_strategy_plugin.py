@@ -32,7 +32,7 @@ def zero1(monkeypatch):
 
 def test_an_unregistered_strategy_is_refused_naming_the_registered_ones():
     with pytest.raises(ConfigError, match=r"parallel.strategy='ddp_zero1' is not allowed; choose one of: "
-                                          r"ddp, fsdp, fairscale_oss, fairscale_fsdp"):
+                                          r"ddp, fsdp, hsdp, fairscale_oss, fairscale_fsdp"):
         load_config(overrides=["parallel.strategy=ddp_zero1"])
     with pytest.raises(ConfigError, match="sweep.strategies has unknown"):
         load_study(overrides=["sweep.strategies=[ddp,ddp_zero1]"])
