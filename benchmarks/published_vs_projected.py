@@ -137,11 +137,11 @@ def with_heads(cfg, profile, heads: Callable):
     """The roofline's forward + backward of ``cfg`` with the published model's extra operations added."""
     from rayvit.projection import roofline
     from rayvit.projection.performance import ComputeRate, peak_key
-    from rayvit.strategies.dtypes import Dtypes
+    from rayvit.strategies.registry import dtypes_of
     from rayvit.strategies.shapes import sequence_length
 
     batch, chip = cfg.train.batch_size, roofline.chip_for(profile, peak_key(cfg))
-    extra = heads(chip, batch * sequence_length(cfg.model), cfg.model.hidden_dim, Dtypes.of(cfg).compute)
+    extra = heads(chip, batch * sequence_length(cfg.model), cfg.model.hidden_dim, dtypes_of(cfg).compute)
     ct = roofline.step_compute(cfg, chip, batch, extra)
     return ComputeRate((ct.seconds - ct.recompute_s) / batch,
                        f"roofline of {chip.spec.name} at batch {batch} with the published model's heads "

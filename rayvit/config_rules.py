@@ -9,18 +9,15 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
+from rayvit.config_schema import BASELINE, LADDER_RUNGS
 from rayvit.errors import ConfigError
 from rayvit.models.presets import ARCH_KEYS, MODEL_PRESETS
 # Each strategy's cost half says what it cannot run (refuses, compile_unsupported, ...), without torch.
-from rayvit.strategies import BASELINE, STRATEGIES
+from rayvit.strategies import STRATEGIES
 
 if TYPE_CHECKING:
-    from rayvit.config import (Config, DataConfig, LaunchConfig, ModelConfig, OptimConfig, ParallelConfig,
-                               SearchConfig, SweepConfig, TrainConfig)
-
-# The optimization ladder's rungs, in the order they are climbed (rayvit/studies/ladder.yaml).
-LADDER_RUNGS = ("baseline", "mixed_precision", "fsdp", "mta_optimizer", "pooled_classifier",
-                "batch_second", "image_256", "full_half", "compile", "activation_checkpointing")
+    from rayvit.config_schema import (Config, DataConfig, LaunchConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                      SearchConfig, SweepConfig, TrainConfig)
 
 
 def resolved_model(m: "ModelConfig") -> "ModelConfig":

@@ -21,10 +21,10 @@ Each leaves the caller's process as it found it (:mod:`rayvit.process_state`).
 from rayvit.launch.capacity import ClusterTooSmall, ScaleUpTimeout
 from rayvit.launch.connect import ConnectError, ensure_ray
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
-from rayvit.launch.trainer import (GroupResult, RayvitTrainer, TrainingError, build_trainer, check_cluster_fits, compare,
+from rayvit.launch.torch_trainer import (GroupResult, RayvitTrainer, TrainingError, build_trainer, check_cluster_fits, compare,
                                    fit, fit_group, loop_config, make_trainer, scaling_config, train_loop_per_worker)
 from rayvit.results import Comparison, RunResult
-from rayvit.worker.checkpoint import Checkpointed, load_checkpoint
+from rayvit.worker.checkpoint_io import Checkpointed, load_checkpoint
 
 __all__ = ["Checkpointed", "ClusterTooSmall", "Comparison", "ConnectError", "GroupResult", "RayvitTrainer", "RunResult", "ScaleUpTimeout", "StorageError",
            "TrainingError", "build_trainer", "check_cluster_fits", "check_storage", "compare", "default_storage_path",

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from rayvit.config import ConfigError
+from rayvit.errors import ConfigError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

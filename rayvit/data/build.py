@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from rayvit.config import Config, ConfigError
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.data import batching, digits, parquet, synthetic
 from rayvit.data.pipeline import Skipped, decoded_train_batches
 

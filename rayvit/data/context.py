@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 
 if TYPE_CHECKING:
     import ray.data

@@ -23,7 +23,7 @@ import pyarrow.fs as pafs
 import torch
 import torch.nn.functional as F
 
-from rayvit.config import ConfigError
+from rayvit.errors import ConfigError
 from rayvit.data.images import JPEG_MAGIC, UNREADABLE, ImageTransform, decoder_reason, image_size
 
 

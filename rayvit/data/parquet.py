@@ -21,7 +21,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
-from rayvit.config import Config, ConfigError
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.data.batching import Batch, EpochStart, check_num_classes, seeded_split, split_sizes, uint8_normaliser
 from rayvit.data.images import CorruptImageError, ImageTransform, transform_batch
 from rayvit.data.pipeline import EncodedSplit, Skipped

@@ -23,7 +23,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from rayvit.config import Config, ConfigError
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.data.batching import Batch, Transform
 from rayvit.data.images import CorruptImageError, ImageTransform, transform_into
 

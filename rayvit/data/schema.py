@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Sequence
 
-from rayvit.config import Config, ConfigError
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 
 Kind = Literal["encoded", "decoded"]
 

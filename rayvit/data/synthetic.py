@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 from rayvit.data.batching import Batch
 
 

@@ -81,11 +81,11 @@ from rayvit.gpu_check.cases import (NotCheckable, check_activation_memory, check
                                     check_profile, check_reduce_dtype, check_training)
 from rayvit.gpu_check.cases import one_line  # noqa: E402
 from rayvit.gpu_check.decode import check_gpu_decode  # noqa: E402,F401
-from rayvit.gpu_check.hsdp import check_hsdp  # noqa: E402,F401
-from rayvit.gpu_check.ladder import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
+from rayvit.gpu_check.hsdp_cases import check_hsdp  # noqa: E402,F401
+from rayvit.gpu_check.ladder_runs import free_device_memory, ladder_config, run_ladder  # noqa: E402,F401
 from rayvit.gpu_check.checkpoints import check_final_model  # noqa: E402
 from rayvit.gpu_check.recompute import check_recompute_dtype  # noqa: E402,F401
-from rayvit.gpu_check.rounds import (check_cold_compile, check_collective_counts, check_group_memory,  # noqa: E402,F401
+from rayvit.gpu_check.group_cases import (check_cold_compile, check_collective_counts, check_group_memory,  # noqa: E402,F401
                                      check_nan_on_one_rank, check_out_of_step, check_state_after_evaluation)
 
 

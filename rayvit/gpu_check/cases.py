@@ -323,7 +323,8 @@ def check_flash(device) -> str:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from rayvit.config import ModelConfig, from_dict
+    from rayvit.config import from_dict
+    from rayvit.config_schema import ModelConfig
     from rayvit.models import build_model
 
     if not torch.backends.cuda.flash_sdp_enabled():
@@ -422,7 +423,7 @@ def check_profile(device) -> str:
 def check_activation_memory(device, mode: str, extra: Optional[dict[str, Any]] = None) -> str:
     """The projection's activation bytes per image against torch.cuda.max_memory_allocated's slope over batch
     (``extra``: more overrides, e.g. activation checkpointing, whose recomputed block is in the peak)."""
-    from rayvit.measure.memory import allocator_check
+    from rayvit.measure.activation_memory import allocator_check
 
     cfg = small_config({"precision.mode": mode, "precision.dtype": "bf16", **(extra or {})}, steps=3)
     r = allocator_check(cfg, device)

@@ -18,7 +18,7 @@ def check_final_model(device, strategy: str, mode: str, dtype: str) -> str:
     import torch
 
     from rayvit.worker import Session
-    from rayvit.worker.checkpoint import load_checkpoint
+    from rayvit.worker.checkpoint_io import load_checkpoint
 
     cfg = small_config({"parallel.strategy": strategy, "precision.mode": mode, "precision.dtype": dtype,
                         "data.name": "digits"}, steps=4)

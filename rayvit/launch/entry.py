@@ -29,10 +29,12 @@ import ray
 import torch
 from ray.train import Checkpoint
 
-from rayvit.config import Config, ConfigError, as_config, from_dict
+from rayvit.config import as_config, from_dict
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
-from rayvit.worker.checkpoint import resumable
+from rayvit.worker.checkpoint_io import resumable
 
 logger = logging.getLogger(__name__)
 

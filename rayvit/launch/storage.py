@@ -15,7 +15,9 @@ import os
 from typing import Iterable, Optional
 
 from rayvit.errors import StorageError
-from rayvit.config import Config, ConfigError, rayvit_home
+from rayvit.config import rayvit_home
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.launch.resources import worker_bundle
 
 __all__ = ["StorageError", "default_storage_path", "storage_path", "check_storage", "worker_slots",

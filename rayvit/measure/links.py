@@ -6,8 +6,8 @@ strategy's own host path per collective).
 Two parts, measured apart because they vary differently: the transfer (barrier-aligned, fitted per kind)
 and the host's wait for the slowest rank (a curve against the compute before the collective, read
 between a sweep's rounds: :func:`rayvit.measure.timers.wait_curve`). The method, and what it reads on CPU
-hosts: docs/projection.md. :func:`rayvit.launch.links.measure_links` runs :func:`worker_benchmark` on Ray
-Train workers of its own; :func:`rayvit.projection.profiles.with_measured_links` turns its result (a
+hosts: docs/projection.md. :func:`rayvit.launch.links_on_ray.measure_links` runs :func:`worker_benchmark` on Ray
+Train workers of its own; :func:`rayvit.projection.hardware_profile.with_measured_links` turns its result (a
 JSON-able links dict) into a hardware profile.
 """
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from rayvit.measure.timers import aligned_all_gather_s, aligned_s
 
 if TYPE_CHECKING:
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rayvit.config import ModelConfig
+    from rayvit.config_schema import ModelConfig
 
 
 # Training = forward + backward, and backward costs about twice the forward (grad wrt inputs and weights).

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from rayvit.config import ModelConfig
+    from rayvit.config_schema import ModelConfig
 
 
 class FP32LayerNorm(nn.LayerNorm):

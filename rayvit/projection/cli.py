@@ -12,11 +12,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from rayvit.accelerators import NO_BF16_TENSOR_CORES
-from rayvit.config import BASELINE, Config, ConfigError, Study, load_study, rayvit_home, reduces_in_half
-from rayvit.projection import cluster_file, inputs, report
+from rayvit.config import load_study, rayvit_home
+from rayvit.config_schema import BASELINE, Config, Study
+from rayvit.errors import ConfigError
+from rayvit.strategies.dtypes import reduces_in_half
+from rayvit.projection import cluster_file, inputs, render
 from rayvit.projection.hints import fit_hints
 from rayvit.projection.performance import ComputeRate, Projection, project_grid
-from rayvit.projection.profiles import HardwareProfile, get_profile
+from rayvit.projection.hardware_profile import HardwareProfile
+from rayvit.projection.profiles import get_profile
 from rayvit.projection.rates import load_rate
 from rayvit.strategies import strategy_class
 
@@ -143,11 +147,11 @@ def run(study: Study, *, hardware: list[str], chips: Optional[list[int]] = None,
         out("")
         for line in header(cfg, profile, source):
             out(line)
-        out(report.format_table(points))
+        out(render.format_table(points))
         for line in footnotes(points, chips):
             out(line)
         out("")
-        out(report.memory_table([q for q in points if q.chips == chips[-1]]))
+        out(render.memory_table([q for q in points if q.chips == chips[-1]]))
         if input_rate is not None:
             out("")
             out(inputs.input_table(points, input_rate, cpus, profile.chips_per_node, cfg.parallel.cpus_per_worker,
@@ -185,7 +189,7 @@ def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, fol
     folder.mkdir(parents=True, exist_ok=True)
     path = unique_path(folder, f"projection-{model_name(cfg)}-{profile.name}")
     title = f"Projected per-chip TFLOPS: {model_name(cfg)} on {profile.name}"
-    return report.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
+    return render.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
 
 
 __all__ = ["run", "run_ladder", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]

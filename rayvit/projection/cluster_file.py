@@ -26,10 +26,10 @@ import numbers
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from rayvit.config import ConfigError
+from rayvit.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rayvit.projection.profiles import HardwareProfile
+    from rayvit.projection.hardware_profile import HardwareProfile
 
 GB = 1e9
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rayvit.config import Config
-from rayvit.strategies.costs import Layout, Message, bus_factor, layout_key
+from rayvit.config_schema import Config
+from rayvit.strategies.costs import Message, bus_factor, layout_key
 from rayvit.strategies import strategy_class
+from rayvit.strategies.registry import layout_of
 
 
 def step_messages(cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
@@ -20,10 +21,10 @@ def step_messages(cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Opti
     """Every collective one rank takes part in during one step of ``cfg`` at ``n`` chips (``per_node`` to a
     node, where known), in issue order."""
     strategy = strategy_class(cfg.parallel.strategy)
-    key = layout_key(cfg, n or cfg.parallel.num_workers, layer_norm_fp32, per_node, id(strategy))
+    key = layout_key(cfg, n or cfg.parallel.num_workers, layer_norm_fp32, per_node, strategy.cost_key())
     messages = _MESSAGES.get(key)
     if messages is None:
-        layout = Layout.of(cfg, n, layer_norm_fp32=layer_norm_fp32, per_node=per_node)
+        layout = layout_of(cfg, n, layer_norm_fp32=layer_norm_fp32, per_node=per_node)
         messages = _MESSAGES.setdefault(key, tuple(strategy.step_messages(layout)))
         if len(_MESSAGES) > 4096:
             _MESSAGES.clear()

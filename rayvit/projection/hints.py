@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rayvit.config import Config, ConfigError
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.projection.performance import ComputeRate, Projection, project
-from rayvit.projection.profiles import HardwareProfile
+from rayvit.projection.hardware_profile import HardwareProfile
 
 GIB = 2 ** 30
 SHARDED = ("fsdp", "hsdp")

@@ -110,7 +110,7 @@ def load_rate(value: str, image_size: int) -> InputRate:
         return InputRate(float(value), image_size, "given on the command line")
     except ValueError:
         pass
-    from rayvit.config import ConfigError
+    from rayvit.errors import ConfigError
 
     try:
         data = json.loads(Path(value).read_text())

@@ -23,11 +23,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from rayvit.config import BASELINE
+from rayvit.config_schema import BASELINE
 from rayvit.formats import fmt, positive as _finite
 from rayvit.projection import performance
-from rayvit.projection.profiles import (HardwareProfile, cpu_profile, get_profile, profile_for_accelerator,
-                                       with_measured_links)
+from rayvit.projection.hardware_profile import HardwareProfile, with_measured_links
+from rayvit.projection.profiles import cpu_profile, get_profile, profile_for_accelerator
 
 SHORTFALL = 0.25      # warn when the measured interval lies beyond the projection by more than this
 
@@ -189,7 +189,7 @@ def artifacts(outcomes, links: Optional[dict], folder: Path, title: str, *, hard
     done = [o for o in outcomes if o.ok]
     if not done:
         return files
-    from rayvit.projection import report
+    from rayvit.projection import render
 
     profile = sweep_profile(done[0].point.cfg, [o.result.row() for o in done], links, hardware)
     source = compute_source(done, profile)
@@ -202,7 +202,7 @@ def artifacts(outcomes, links: Optional[dict], folder: Path, title: str, *, hard
     projected = performance.project_grid(variants[0], _dense(counts), variants, profile, source[1], peak=peak,
                                          overheads=overheads)
     measured = [o.result.row() for o in done]
-    files.append(report.measured_vs_projected_figure(measured, projected, Path(folder) / "projection.png",
+    files.append(render.measured_vs_projected_figure(measured, projected, Path(folder) / "projection.png",
                                                      title=title))
     return files
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 from rayvit.projection import performance
 from rayvit.projection.performance import ComputeRate, Projection
-from rayvit.projection.profiles import HardwareProfile
+from rayvit.projection.hardware_profile import HardwareProfile
 
 # What the study published for ViT-H/16 on A100s (DESIGN.md section 1: Meta AI, "significantly faster Vision
 # Transformer training", 2022), per-chip TFLOPS against its DDP + AMP O1 baseline: the stack through

@@ -10,14 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 from rayvit.models import vit_complexity
-from rayvit.models.checkpointing import checkpointed_blocks
-from rayvit.strategies.costs import Layout, StateBytes, layout_key
-from rayvit.strategies.dtypes import FULL, Dtypes
-from rayvit.projection.profiles import HardwareProfile
+from rayvit.models.activation_checkpointing import checkpointed_blocks
+from rayvit.strategies.costs import StateBytes, layout_key
+from rayvit.strategies.dtypes import FULL
+from rayvit.projection.hardware_profile import HardwareProfile
 from rayvit.strategies.shapes import sequence_length, vit_tensors
 from rayvit.strategies import strategy_class
+from rayvit.strategies.registry import dtypes_of, layout_of
 
 
 def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
@@ -26,10 +27,10 @@ def model_state(cfg: Config, world: Optional[int] = None, *, layer_norm_fp32: Op
     (``per_node`` chips to a node, where known)."""
     world = world or cfg.parallel.num_workers
     strategy = strategy_class(cfg.parallel.strategy)
-    key = layout_key(cfg, world, layer_norm_fp32, flatten, per_node, id(strategy), per_rank)
+    key = layout_key(cfg, world, layer_norm_fp32, flatten, per_node, strategy.cost_key(), per_rank)
     ranks = _RANK_STATES.get(key)
     if ranks is None:
-        layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten, per_node=per_node)
+        layout = layout_of(cfg, world, layer_norm_fp32=layer_norm_fp32, flatten=flatten, per_node=per_node)
         which = range(layout.n) if per_rank or not _knows_heaviest(strategy) else strategy.heaviest_ranks(layout)
         ranks = _RANK_STATES.setdefault(key, tuple(strategy.rank_state(layout, r) for r in which))
         if len(_RANK_STATES) > 4096:          # a plan's settings share a few hundred; keep it bounded
@@ -67,7 +68,7 @@ def activation_bytes_per_image(cfg: Config, *, layer_norm_fp32: Optional[bool] =
     ``model.activation_checkpointing`` a checkpointed block keeps only its input (s x h), and one block's
     activations are added for the block being recomputed in backward.
     """
-    m, dt = cfg.model, Dtypes.of(cfg, layer_norm_fp32)
+    m, dt = cfg.model, dtypes_of(cfg, layer_norm_fp32)
     s, h, c = sequence_length(m), m.hidden_dim, dt.compute
     attention = attention or ("math" if m.attention == "math" else "flash")
     ln_in = FULL if dt.layer_norm_fp32 else dt.residual
@@ -113,7 +114,7 @@ def fixed_activation_bytes(cfg: Config) -> int:
 def transient_bytes(cfg: Config, world: int, *, layer_norm_fp32: Optional[bool] = None, per_node: int = 0) -> int:
     """Buffers that exist only during the step, beside model state and activations (the strategy's:
     DDP's gradient buckets, FSDP's gathered units; ``Strategy.transient_bytes``)."""
-    layout = Layout.of(cfg, world, layer_norm_fp32=layer_norm_fp32, per_node=per_node)
+    layout = layout_of(cfg, world, layer_norm_fp32=layer_norm_fp32, per_node=per_node)
     return strategy_class(cfg.parallel.strategy).transient_bytes(layout)
 
 

@@ -47,15 +47,15 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any, Optional
 
-from rayvit.config import BASELINE, Config, ConfigError
+from rayvit.config_schema import BASELINE, Config
+from rayvit.errors import ConfigError
 from rayvit.models import vit_complexity
-from rayvit.models.checkpointing import checkpointed_blocks
+from rayvit.models.activation_checkpointing import checkpointed_blocks
 from rayvit.projection import comms, memory, nccl, roofline
-from rayvit.strategies.costs import Layout
-from rayvit.strategies.dtypes import FULL, Dtypes
-from rayvit.projection.profiles import HardwareProfile, Link
+from rayvit.projection.hardware_profile import HardwareProfile, Link
 from rayvit.strategies import strategy_class
-from rayvit.strategies.registry import lineage
+from rayvit.strategies.dtypes import FULL
+from rayvit.strategies.registry import dtypes_of, layout_of, lineage
 
 FORWARD_SHARE = 1 / 3
 
@@ -246,12 +246,12 @@ def contention_s(hidden_s: float, profile: HardwareProfile) -> float:
 
 def optimizer_elements(cfg: Config, n: int, per_node: int = 0) -> tuple[int, int]:
     """(elements, tensors) the largest rank's optimizer steps (the strategy's ``optimizer_elements``)."""
-    return strategy_class(cfg.parallel.strategy).optimizer_elements(Layout.of(cfg, n, per_node=per_node))
+    return strategy_class(cfg.parallel.strategy).optimizer_elements(layout_of(cfg, n, per_node=per_node))
 
 
 def optimizer_time(cfg: Config, n: int, profile: HardwareProfile, *,
                    layer_norm_fp32: Optional[bool] = None) -> float:
-    dt = Dtypes.of(cfg, layer_norm_fp32)
+    dt = dtypes_of(cfg, layer_norm_fp32)
     elements, tensors = optimizer_elements(cfg, n, profile.chips_per_node)
     state, grad = dt.optimizer_state(False), dt.stored(False)
     per_element = (4 if cfg.optim.name == "sgd" else 6) * state + grad
@@ -265,7 +265,7 @@ def optimizer_time(cfg: Config, n: int, profile: HardwareProfile, *,
 
 def peak_key(cfg: Config) -> str:
     """The ``PEAK_TFLOPS`` column a step computes at: fp32, or the half dtype."""
-    return Dtypes.of(cfg).peak_key(cfg.precision.dtype)
+    return dtypes_of(cfg).peak_key(cfg.precision.dtype)
 
 
 def peak_flops(cfg: Config, profile: HardwareProfile) -> Optional[float]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Callable, Optional
 
-from rayvit.config import ConfigError, Study
+from rayvit.config_schema import Study
+from rayvit.errors import ConfigError
 from rayvit.projection import cluster_file, planner
 from rayvit.projection.cli import check_chips, model_name
-from rayvit.projection.profiles import HardwareProfile, get_profile
+from rayvit.projection.hardware_profile import HardwareProfile
+from rayvit.projection.profiles import get_profile
 from rayvit.projection.rates import load_measured
 from rayvit.strategies import STRATEGIES
 

@@ -19,10 +19,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from rayvit.config import Config, ConfigError, Study
+from rayvit.config_schema import Config, Study
+from rayvit.errors import ConfigError
 from rayvit.projection import performance
 from rayvit.projection.performance import ComputeRate, Projection
-from rayvit.projection.profiles import HardwareProfile
+from rayvit.projection.hardware_profile import HardwareProfile
 from rayvit.results import IMAGENET_TRAIN_IMAGES
 from rayvit.strategies import STRATEGIES, strategy_class
 

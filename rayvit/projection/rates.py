@@ -11,9 +11,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rayvit.config import BASELINE, Config, ConfigError, from_dict
+from rayvit.config import from_dict
+from rayvit.config_schema import BASELINE, Config
+from rayvit.errors import ConfigError
 from rayvit.projection.performance import ComputeRate, compute_from_measured, project
-from rayvit.projection.profiles import HardwareProfile, with_measured_links
+from rayvit.projection.hardware_profile import HardwareProfile, with_measured_links
 
 
 def _check_match(measured: Config, cfg: Config, where: str) -> None:

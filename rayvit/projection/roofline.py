@@ -37,10 +37,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rayvit.accelerators import BOOST_CLOCK_GHZ, CHIPS, NO_BF16_TENSOR_CORES, ChipSpec
-from rayvit.config import Config
-from rayvit.models.checkpointing import checkpointed_blocks
-from rayvit.strategies.dtypes import FULL, HALF, Dtypes
+from rayvit.config_schema import Config
+from rayvit.models.activation_checkpointing import checkpointed_blocks
+from rayvit.strategies.dtypes import FULL, HALF
 from rayvit.strategies.shapes import sequence_length, vit_tensors
+from rayvit.strategies.registry import dtypes_of
 
 TILES = ((128, 128), (128, 256), (256, 128))
 # Cycles a GEMM tile spends beyond its math (the first loads of its software pipeline, its epilogue), and
@@ -218,7 +219,7 @@ def attention_kernel(cfg: Config, chip: Optional[Chip]) -> str:
 
 
 def attention_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
-    m, dt = cfg.model, Dtypes.of(cfg)
+    m, dt = cfg.model, dtypes_of(cfg)
     s, heads = sequence_length(m), m.num_heads
     hd = m.hidden_dim // heads
     fwd = 4.0 * batch * heads * s * s * hd
@@ -261,7 +262,7 @@ def block_memory_bytes(cfg: Config, fused: bool) -> dict[tuple[str, str], float]
     Widths: ``r`` the residual stream, ``l`` a LayerNorm's output (fp32 under autocast or fp32
     LayerNorm), ``c`` the compute dtype, ``h`` and ``m`` the block's widths.
     """
-    m, dt = cfg.model, Dtypes.of(cfg)
+    m, dt = cfg.model, dtypes_of(cfg)
     h, w = m.hidden_dim, m.mlp_dim
     c, r = dt.compute, dt.residual
     ln_fp32 = cfg.precision.mode == "amp" or dt.layer_norm_fp32
@@ -302,7 +303,7 @@ def block_kernels(cfg: Config, fused: bool) -> int:
 def block_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
     """One encoder block's operations at ``batch`` images."""
     m = cfg.model
-    tokens, h, c = batch * sequence_length(m), m.hidden_dim, Dtypes.of(cfg).compute
+    tokens, h, c = batch * sequence_length(m), m.hidden_dim, dtypes_of(cfg).compute
     ops = (linear_ops(chip, "qkv", tokens, h, 3 * h, c) + linear_ops(chip, "proj", tokens, h, h, c)
            + linear_ops(chip, "fc1", tokens, h, m.mlp_dim, c) + linear_ops(chip, "fc2", tokens, m.mlp_dim, h, c)
            + attention_ops(chip, cfg, batch, kernel))
@@ -314,7 +315,7 @@ def block_ops(chip: Chip, cfg: Config, batch: int, kernel: str) -> list[Op]:
 
 def outer_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
     """The stem, position embedding, final LayerNorm, pooling and head, and the loss."""
-    m, dt = cfg.model, Dtypes.of(cfg)
+    m, dt = cfg.model, dtypes_of(cfg)
     s, h, c, r = sequence_length(m), m.hidden_dim, dt.compute, dt.residual
     patches = (m.image_size // m.patch_size) ** 2
     image = batch * 3 * m.image_size ** 2
@@ -351,7 +352,7 @@ def autocast_weight_ops(chip: Chip, cfg: Config) -> list[Op]:
 
 
 def _conv_stem_ops(chip: Chip, cfg: Config, batch: int) -> list[Op]:
-    m, c = cfg.model, Dtypes.of(cfg).compute
+    m, c = cfg.model, dtypes_of(cfg).compute
     size, c_in, ops = m.image_size, 3, []
     for i, (c_out, stride) in enumerate(zip(m.conv_stem_dims, m.conv_stem_strides)):
         size = (size - 1) // stride + 1

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from rayvit.figures import Row, conditions_caption, new_figure, save, strategy_colour  # noqa: F401 - also theirs
 from rayvit.formats import number as _finite
-from rayvit.strategies import BASELINE
+from rayvit.config_schema import BASELINE
 
 
 def scaling_figure(rows: Iterable[Row], path: str | os.PathLike, title: Optional[str] = None) -> Path:

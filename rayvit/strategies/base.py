@@ -18,7 +18,7 @@ Adding a strategy is one module and one :func:`~rayvit.strategies.registry.regis
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
 
 from rayvit.strategies.costs import Layout, Message, StateBytes, tensor_state
 from rayvit.strategies.dtypes import reduces_in_half
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
     from rayvit.training.precision import MasterWeights, Precision
 
 
@@ -91,6 +91,12 @@ class StrategyCosts:
     colour: ClassVar[Optional[str]] = None
     # It honours ``parallel.reshard_after_forward`` (tables label the other setting "no reshard").
     reshards: ClassVar[bool] = False
+
+    @classmethod
+    def cost_key(cls) -> tuple:
+        """What the projection's caches of costed layouts key this strategy by: the class, and any module
+        setting its costs read beyond the layout (FairScale OSS's bucket size)."""
+        return (cls.__module__, cls.__qualname__)
 
     @classmethod
     def refuses(cls, cfg: "Config") -> Optional[str]:
@@ -183,14 +189,14 @@ class Strategy(StrategyCosts):
         """Under ``model.activation_checkpointing``: the chosen encoder blocks wrapped, in place, before
         compiling and wrapping (torchtitan's order: checkpoint, compile, shard), with
         :meth:`checkpoint_wrapper`."""
-        from rayvit.models.checkpointing import apply_activation_checkpointing
+        from rayvit.models.activation_checkpointing import apply_activation_checkpointing
 
         return apply_activation_checkpointing(model, self.cfg.model, self.checkpoint_wrapper)
 
     def checkpoint_wrapper(self, block: nn.Module) -> nn.Module:
         """One checkpointed block: PyTorch's non-reentrant checkpoint wrapper (DDP, FSDP2 and OSS see plain
         autograd; the recomputed forward needs no hooks of theirs)."""
-        from rayvit.models.checkpointing import torch_checkpoint_wrapper
+        from rayvit.models.activation_checkpointing import torch_checkpoint_wrapper
 
         return torch_checkpoint_wrapper(block)
 
@@ -268,20 +274,20 @@ class Strategy(StrategyCosts):
 
     def save(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Replicated state: rank 0 writes one full copy (model, optimizer, master weights)."""
-        from rayvit.training import checkpoint
+        from rayvit.training import checkpoint_layout
 
         optim_state = self.optimizer_state_dict(optimizer)
         if rank() == 0:
-            checkpoint.save_full_state(directory, {**self._model_state(model), "optim": optim_state})
+            checkpoint_layout.save_full_state(directory, {**self._model_state(model), "optim": optim_state})
 
     def save_model(self, directory: str, model: nn.Module) -> None:
-        """The model alone, for ``rayvit.worker.checkpoint.load_checkpoint`` (every rank calls it): rank 0
+        """The model alone, for ``rayvit.worker.checkpoint_io.load_checkpoint`` (every rank calls it): rank 0
         writes the full copy, as :meth:`save` does without the optimizer. Sharded strategies gather it onto
         rank 0 or write their own layout."""
-        from rayvit.training import checkpoint
+        from rayvit.training import checkpoint_layout
 
         if rank() == 0:
-            checkpoint.save_full_state(directory, self._model_state(model))
+            checkpoint_layout.save_full_state(directory, self._model_state(model))
 
     def _model_state(self, model: nn.Module) -> dict:
         import torch
@@ -296,9 +302,9 @@ class Strategy(StrategyCosts):
     def load(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         import torch
 
-        from rayvit.training import checkpoint
+        from rayvit.training import checkpoint_layout
 
-        state = checkpoint.load_full_state(directory, self.device)
+        state = checkpoint_layout.load_full_state(directory, self.device)
         self.unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         if self.masters is not None:

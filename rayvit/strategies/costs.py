@@ -21,7 +21,7 @@ from rayvit.strategies.dtypes import FULL, Dtypes
 from rayvit.strategies.shapes import Tensor, fsdp_units, vit_tensors
 
 if TYPE_CHECKING:
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 STEP_BYTES = 4                 # Adam's per-tensor `step` counter: a 0-d fp32 tensor
 
@@ -79,9 +79,11 @@ class Layout:
     per_node: int = 0
 
     @classmethod
-    def of(cls, cfg: Config, n: Optional[int] = None, *, layer_norm_fp32: Optional[bool] = None,
+    def of(cls, cfg: Config, n: Optional[int] = None, *, sharded: bool, layer_norm_fp32: Optional[bool] = None,
            flatten: bool = True, per_node: int = 0) -> "Layout":
-        return cls(cfg, n or cfg.parallel.num_workers, Dtypes.of(cfg, layer_norm_fp32), _tensors(cfg.model),
+        """``cfg``'s tensors over ``n`` ranks for a strategy that owns mixed precision (``sharded``) or not;
+        the registry's :func:`~rayvit.strategies.registry.layout_of` asks ``cfg``'s strategy which."""
+        return cls(cfg, n or cfg.parallel.num_workers, Dtypes.of(cfg, sharded, layer_norm_fp32), _tensors(cfg.model),
                    flatten, per_node)
 
 

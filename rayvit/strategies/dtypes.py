@@ -22,10 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rayvit.strategies import registry
-
 if TYPE_CHECKING:
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 HALF, FULL = 2, 4
 
@@ -45,10 +43,11 @@ class Dtypes:
     reduce_half: bool
 
     @classmethod
-    def of(cls, cfg: Config, layer_norm_fp32: bool | None = None) -> "Dtypes":
+    def of(cls, cfg: "Config", sharded: bool, layer_norm_fp32: bool | None = None) -> "Dtypes":
+        """``cfg``'s, for a strategy that owns mixed precision (``sharded``) or not; the registry's
+        :func:`~rayvit.strategies.registry.dtypes_of` asks ``cfg``'s strategy which."""
         ln = cfg.precision.layer_norm_fp32 if layer_norm_fp32 is None else layer_norm_fp32
-        return cls(cfg.precision.mode, registry.strategy_class(cfg.parallel.strategy).owns_mixed_precision,
-                   bool(ln) and cfg.precision.mode == "mixed", reduces_in_half(cfg))
+        return cls(cfg.precision.mode, sharded, bool(ln) and cfg.precision.mode == "mixed", reduces_in_half(cfg))
 
     def stored(self, norm: bool) -> int:
         """Bytes per element of a parameter as this rank stores it (and of its gradient)."""

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 FAIRSCALE_BUCKET = 25 * 2 ** 20    # FullyShardedDataParallel(bucket_cap_mb=25), the root's, shared by all
 
@@ -235,13 +235,13 @@ class FairScaleFSDP(FairScaleFSDPCosts, Strategy):
         (fairscale/nn/checkpoint/checkpoint_activations.py, ``autocast`` and ``CheckpointFunction.backward``),
         whose dtype is fp16: under bf16 (amp, mixed with fp32 LayerNorm) every recompute and the gradients
         through it would run in fp16, with no loss scaler. The block re-enters its forward's own autocast
-        inside it (:func:`~rayvit.models.checkpointing.recompute_in_forward_autocast`). FairScale's wrapper
+        inside it (:func:`~rayvit.models.activation_checkpointing.recompute_in_forward_autocast`). FairScale's wrapper
         is kept rather than torch's, which FairScale's FSDP advises against and which rayvit cannot run with
         it off CUDA."""
         from fairscale.nn.checkpoint import checkpoint_wrapper
         from fairscale.nn.checkpoint.checkpoint_activations import is_recomputing
 
-        from rayvit.models.checkpointing import recompute_in_forward_autocast
+        from rayvit.models.activation_checkpointing import recompute_in_forward_autocast
 
         return checkpoint_wrapper(recompute_in_forward_autocast(block, is_recomputing))
 
@@ -315,7 +315,7 @@ class FairScaleFSDP(FairScaleFSDPCosts, Strategy):
 
     # Sharded state: each rank saves its own shard of the model and optimizer.
     def save(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        # With the shard's metadata, so that rayvit.worker.checkpoint.load_checkpoint can consolidate the
+        # With the shard's metadata, so that rayvit.worker.checkpoint_io.load_checkpoint can consolidate the
         # shards into one model offline (FairScale's consolidate_shard_weights).
         import torch
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 SHARDED_DDP_BUCKET = 2 ** 23   # FairScale ShardedDDP reduce_buffer_size default (elements)
 
@@ -64,6 +64,10 @@ class FairScaleOSSCosts(StrategyCosts):
 
     name = "fairscale_oss"
     colour = "#ff7f0e"
+
+    @classmethod
+    def cost_key(cls) -> tuple:
+        return (*super().cost_key(), SHARDED_DDP_BUCKET)    # the bucket decides which gradients stay whole
 
     @classmethod
     def refuses(cls, cfg: Config) -> str | None:

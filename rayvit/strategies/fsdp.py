@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 
 def groups(layout: Layout) -> list[ShardGroup]:
@@ -134,7 +134,7 @@ class FSDP(FSDPCosts, Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from rayvit.training.checkpoint import SHARDED_DIR
+        from rayvit.training.checkpoint_layout import SHARDED_DIR
 
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, SHARDED_DIR))
@@ -145,7 +145,7 @@ class FSDP(FSDPCosts, Strategy):
         # where the sharded parameters are the master copy).
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from rayvit.training.checkpoint import save_full_state
+        from rayvit.training.checkpoint_layout import save_full_state
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank() == 0:
@@ -155,7 +155,7 @@ class FSDP(FSDPCosts, Strategy):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        from rayvit.training.checkpoint import SHARDED_DIR
+        from rayvit.training.checkpoint_layout import SHARDED_DIR
 
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}

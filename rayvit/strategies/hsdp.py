@@ -37,7 +37,7 @@ from rayvit.strategies.fsdp import FSDP, FSDPCosts, groups
 if TYPE_CHECKING:
     from torch import nn
 
-    from rayvit.config import Config
+    from rayvit.config_schema import Config
 
 
 def shard_size(cfg: Config, n: int, per_node: int = 0) -> int:

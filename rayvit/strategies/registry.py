@@ -8,15 +8,15 @@ own, and a plugin registers its class with :func:`register` (or a line ``STRATEG
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from rayvit.errors import ConfigError
+from rayvit.strategies.costs import Layout
+from rayvit.strategies.dtypes import Dtypes
 
 if TYPE_CHECKING:
+    from rayvit.config_schema import Config
     from rayvit.strategies.base import Strategy
-
-# The strategy every figure is compared to (the study's baseline): DDP.
-BASELINE = "ddp"
 
 STRATEGIES: dict[str, type["Strategy"]] = {}
 
@@ -43,3 +43,13 @@ def lineage(name: str) -> list[str]:
     cls = strategy_class(name)
     by_class = {c: n for n, c in STRATEGIES.items()}
     return [by_class[c] for c in cls.__mro__ if c in by_class and (c is cls or by_class[c] != name)]
+
+
+def dtypes_of(cfg: "Config", layer_norm_fp32: Optional[bool] = None) -> Dtypes:
+    """Bytes per element of what ``cfg``'s strategy stores and sends (:class:`~rayvit.strategies.dtypes.Dtypes`)."""
+    return Dtypes.of(cfg, strategy_class(cfg.parallel.strategy).owns_mixed_precision, layer_norm_fp32)
+
+
+def layout_of(cfg: "Config", n: Optional[int] = None, **options: Any) -> Layout:
+    """``cfg``'s tensors over ``n`` ranks as its strategy holds them (:meth:`~rayvit.strategies.costs.Layout.of`)."""
+    return Layout.of(cfg, n, sharded=strategy_class(cfg.parallel.strategy).owns_mixed_precision, **options)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rayvit import stats
-from rayvit.config import BASELINE
+from rayvit.config_schema import BASELINE
 from rayvit.record.tables import number
 from rayvit.results import METRIC_KEYS
 from rayvit.studies.outcome import Outcome

@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from rayvit.config import BASELINE, LADDER_RUNGS, Config, ConfigError, Study
+from rayvit.config_schema import BASELINE, Config, LADDER_RUNGS, Study
+from rayvit.errors import ConfigError
 from rayvit.launch.resources import resources_for
 
 # Settings that do not change what a point measures, so a rerun with them changed still reuses it:

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Optional
 
-from rayvit.config import Study
+from rayvit.config_schema import Study
 from rayvit.record import tracking
 from rayvit.formats import clock, fmt, interval
 from rayvit.results import RunResult
@@ -49,7 +49,7 @@ class Progress:
         self._printed = 0.0
 
     def live(self, point: Point, label: str = "") -> Callable[[dict], None]:
-        """A callback for rank 0's progress items (:func:`rayvit.launch.trainer.fit`'s ``on_progress``);
+        """A callback for rank 0's progress items (:func:`rayvit.launch.torch_trainer.fit`'s ``on_progress``);
         ``label`` (e.g. ``round 2/3``) goes before the step count."""
         first: dict[str, float] = {}
         label = f"{label}, " if label else ""
@@ -233,7 +233,7 @@ class StudyRun:
                   progress: Optional[Progress] = None) -> Outcome:
         """Train ``point`` in a child run of its own; an error is recorded and returned, Ctrl-C raised."""
         from rayvit.launch.capacity import ClusterTooSmall
-        from rayvit.launch.trainer import TrainingError
+        from rayvit.launch.torch_trainer import TrainingError
 
         run_id = self.open_point(point, tags)
         start = time.monotonic()
@@ -252,14 +252,14 @@ class StudyRun:
                   tags: Callable[[Point], Mapping[str, Any]], progress: Optional[Progress] = None,
                   run_ids: Optional[dict[str, str]] = None) -> list[Outcome]:
         """Measure ``points`` on one worker group in ``rounds`` interleaved rounds, each point recorded
-        in a child run of its own (:func:`rayvit.launch.trainer.fit_group`).
+        in a child run of its own (:func:`rayvit.launch.torch_trainer.fit_group`).
 
         A point that fails in its round is recorded failed and the others go on. When the group itself
         fails (a lost worker, a group that cannot start), points whose rounds had all finished keep them
         and every other point runs again in a group of its own; Ctrl-C marks every open point KILLED.
         """
         from rayvit.launch.capacity import ClusterTooSmall
-        from rayvit.launch.trainer import TrainingError
+        from rayvit.launch.torch_trainer import TrainingError
 
         run_ids = dict(run_ids or {})
         for p in points:
@@ -405,7 +405,7 @@ def attach_ray(address: Optional[str], name: str, ray_log: Optional[str], out: O
     a log file named after the study and say where it is."""
     from rayvit.config import rayvit_home
     from rayvit.launch.console import quiet_ray
-    from rayvit.launch.trainer import ensure_ray
+    from rayvit.launch.torch_trainer import ensure_ray
 
     ensure_ray(address)
     if ray_log:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rayvit import process_state
-from rayvit.config import Study
+from rayvit.config_schema import Study
 from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, number, write_parquet
 from rayvit.studies.derived import DERIVED_KEYS, add_derived, rows_of, verdict
@@ -72,7 +72,7 @@ def _prepare(study: Study, points: list[Point], experiment: str, address: Option
     from rayvit.launch import capacity
     from rayvit.launch.connect import check_cluster
     from rayvit.launch.storage import check_storage
-    from rayvit.launch.trainer import check_cluster_fits
+    from rayvit.launch.torch_trainer import check_cluster_fits
 
     name, mode = study.sweep.name, study.sweep.mode
     # Fail fast, cheapest first and before anything is recorded: the cluster's address (a probe, no Ray
@@ -124,7 +124,7 @@ def _measure(run: StudyRun, study: Study, points: list[Point], done: dict[str, O
     """Each worker group in plan order: reused points report first, then the group measures the rest
     together; ``done`` fills as they finish, curves and projections after each group."""
     from rayvit.launch import capacity
-    from rayvit.launch.trainer import fit_group as fit_group_of_workers
+    from rayvit.launch.torch_trainer import fit_group as fit_group_of_workers
 
     mode = study.sweep.mode
     progress = Progress(len(points), out)

@@ -16,7 +16,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from rayvit.errors import ConfigError
 
 if TYPE_CHECKING:
-    from rayvit.config import OptimConfig
+    from rayvit.config_schema import OptimConfig
 
 
 def weight_decay_plan(model: nn.Module) -> dict[tuple[int, str], bool]:

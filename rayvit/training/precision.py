@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from rayvit.config import PrecisionConfig
+    from rayvit.config_schema import PrecisionConfig
 from rayvit.training.optim import local_shard
 
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -25,7 +25,9 @@ from typing import Optional
 import torch
 
 from rayvit.errors import CompareFailed
-from rayvit.config import Config, ConfigError, as_config, load_config
+from rayvit.config import as_config, load_config
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.process_state import keeps_process_state
 from rayvit.results import Comparison, RunResult
 from rayvit.stats import Estimate

@@ -24,7 +24,9 @@ from typing import Optional
 
 import torch
 
-from rayvit.config import Config, ConfigError, load_config
+from rayvit.config import load_config
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.data.images import ImageTransform, transform_into
 from rayvit.worker.bench import ab_parser, parse_compare
 

@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from rayvit.config import ModelConfig
+from rayvit.config_schema import ModelConfig
 
 # torch sets TORCHINDUCTOR_CACHE_DIR in os.environ when dynamo is first imported or Inductor first asks
 # for its cache directory; fresh_cache sets both while it lasts.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 from rayvit.errors import InjectedFault
 
 if TYPE_CHECKING:
-    from rayvit.config import TrainConfig
+    from rayvit.config_schema import TrainConfig
     from rayvit.worker.loop import Session
 
 

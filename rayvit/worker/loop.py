@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from rayvit.errors import DivergedError
 from rayvit import process_state
-from rayvit.config import Config, as_config
+from rayvit.config import as_config
+from rayvit.config_schema import Config
 from rayvit.data import Data, build_data
 from rayvit.data.batching import epoch_start
 from rayvit.models import build_model, vit_complexity
@@ -27,7 +28,7 @@ from rayvit.results import IMAGENET_TRAIN_IMAGES, RunResult
 from rayvit.training import hardware
 from rayvit.worker import agree, compiling, metrics
 from rayvit.worker.faults import fault_injector
-from rayvit.worker import checkpoint as session_checkpoint
+from rayvit.worker import checkpoint_io
 from rayvit.training.optim import build_scheduler, state_bytes, tensors_bytes
 from rayvit.training.precision import Precision, grads_of
 from rayvit.worker.sampler import POWER, UTILIZATION, Sampler, nvml_sampler
@@ -353,16 +354,16 @@ class Session:
 
     # ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> None:
-        """Write what this run continues from into ``directory`` (:func:`session_checkpoint.save_state`)."""
-        session_checkpoint.save_state(self, directory)
+        """Write what this run continues from into ``directory`` (:func:`checkpoint_io.save_state`)."""
+        checkpoint_io.save_state(self, directory)
 
     def save_model(self, directory: str) -> None:
-        """Write the model alone, whole, into ``directory`` (:func:`session_checkpoint.save_model`)."""
-        session_checkpoint.save_model(self, directory)
+        """Write the model alone, whole, into ``directory`` (:func:`checkpoint_io.save_model`)."""
+        checkpoint_io.save_model(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        """Continue from a checkpoint (:func:`session_checkpoint.resume`)."""
-        session_checkpoint.resume(self, directory)
+        """Continue from a checkpoint (:func:`checkpoint_io.resume`)."""
+        checkpoint_io.resume(self, directory)
 
     def close(self) -> None:
         """Stop the sampler and the data; release the model; end the one-rank process group if this

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 from rayvit.worker.agree import GroupAbandoned, GroupOutOfStep, agree_on_outcome, lost_a_peer, new_series
 from rayvit.worker.loop import train
 from rayvit.strategies import strategy_class

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rayvit.config import ConfigError, from_dict
+from rayvit.config import from_dict
+from rayvit.errors import ConfigError
 from rayvit.launch.storage import StorageError, check_storage, default_storage_path, storage_path
 from clusters import clean_env, start_unreachable_runs, stop_unreachable_runs
 

@@ -150,7 +150,7 @@ def _resumed(rank: int, folder: str, shard: int) -> dict:
 
 @pytest.mark.parametrize("shard", [1, 2])
 def test_hsdp_checkpoints_resume_and_load_into_a_plain_model(tmp_path, shard):
-    from rayvit.worker.checkpoint import load_checkpoint
+    from rayvit.worker.checkpoint_io import load_checkpoint
 
     folder = tmp_path / "checkpoint"
     ranks = two_ranks(tmp_path, _resumed, str(folder), shard)

@@ -436,7 +436,7 @@ def test_a_finished_runs_model_is_gathered_whole_on_rank_0(tmp_path):
     """Every strategy that trains on CPU writes its final model as one file from rank 0 alone (FSDP2
     gathers its shards there, also after an evaluation left them gathered without resharding), and that
     model is the one the full, sharded checkpoint consolidates to."""
-    from rayvit.worker.checkpoint import load_checkpoint
+    from rayvit.worker.checkpoint_io import load_checkpoint
 
     rank0, rank1 = two_ranks(tmp_path, _final_models, str(tmp_path))
     for i, case in enumerate(FINAL_MODEL_CASES):

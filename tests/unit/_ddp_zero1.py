@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 from rayvit.strategies.costs import (Layout, Message, StateBytes, busiest_owner, greedy_partition,
                                      partition_broadcasts, tensor_state)
 from rayvit.strategies.shapes import Tensor

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from rayvit.config import ConfigError, load_config, load_study
-from rayvit.models.checkpointing import checkpointed_blocks
+from rayvit.config import load_config, load_study
+from rayvit.errors import ConfigError
+from rayvit.models.activation_checkpointing import checkpointed_blocks
 from rayvit.projection import memory
-from rayvit.measure.memory import saved_bytes_slope
+from rayvit.measure.activation_memory import saved_bytes_slope
 
 from shared import two_ranks
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rayvit.cli import main
-from rayvit.config import ConfigError, load_study
+from rayvit.config import load_study
+from rayvit.errors import ConfigError
 from rayvit.projection.performance import project
 from rayvit.projection.profiles import PROFILES, get_profile
 

@@ -2,7 +2,9 @@
 
 import pytest
 
-from rayvit.config import Config, ConfigError, from_dict, load_config, load_study
+from rayvit.config import from_dict, load_config, load_study
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 
 
 def test_defaults_validate_and_round_trip(tmp_path):

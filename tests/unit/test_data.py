@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rayvit.config import ConfigError
+from rayvit.errors import ConfigError
 from rayvit.data import build_data, with_absolute_paths
 from rayvit.data.digits import load_digits_arrays
 from rayvit.data.images import ImageTransform

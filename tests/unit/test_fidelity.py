@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayvit.config import ConfigError, load_config, load_study
+from rayvit.config import load_config, load_study
+from rayvit.errors import ConfigError
 from rayvit.models import build_model
 from rayvit.studies.plan import plan
 from rayvit.training import hardware
@@ -225,7 +226,8 @@ def test_fairscale_flat_parameters_decay_exactly_like_the_unwrapped_model(one_ra
 def test_auto_reduce_dtype_is_fp32_under_mixed_and_half_under_pure():
     """The default (auto) lets every strategy run every level it can, like for like within a sweep: a pure
     config (a search's winner, say) sweeps ddp, fsdp and fairscale_oss, all reducing in half."""
-    from rayvit.config import load_study, reduces_in_half
+    from rayvit.config import load_study
+    from rayvit.strategies.dtypes import reduces_in_half
     from rayvit.studies.plan import plan
 
     assert load_config().parallel.reduce_dtype == "auto"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rayvit.config import ConfigError, load_config, load_study
+from rayvit.config import load_config, load_study
+from rayvit.errors import ConfigError
 from rayvit.projection import comms, memory
 from rayvit.projection.performance import group_link, project
 from rayvit.projection.profiles import get_profile

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayvit.config import ConfigError
+from rayvit.errors import ConfigError
 from rayvit.data import build_data
 from rayvit.data.images import (CorruptImageError, ImageTransform, center_box, dct_divisor, random_resized_box,
                                 transform_image)

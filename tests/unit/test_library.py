@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from rayvit import stats
-from rayvit.config import ConfigError, as_config, load_config
+from rayvit.config import as_config, load_config
+from rayvit.errors import ConfigError
 from rayvit.results import Comparison, RunResult
 from rayvit.worker import Session, train
-from rayvit.worker.checkpoint import load_checkpoint
+from rayvit.worker.checkpoint_io import load_checkpoint
 
 from shared import Counted, ProcessSnapshot, checkpointed_after, train_steps
 
@@ -138,7 +139,7 @@ def test_a_finished_runs_model_alone_loads_into_one_plain_model(tmp_path, strate
     """What a run's final checkpoint holds by default: the model as the optimizer left it, after the final
     evaluation (which leaves FSDP2's parameters gathered without resharding), with no optimizer state; no
     run resumes from it."""
-    from rayvit.worker.checkpoint import resumable
+    from rayvit.worker.checkpoint_io import resumable
 
     cfg = load_config("cpu_default", [*TINY, "data.name=digits", f"parallel.strategy={strategy}", *overrides])
     session = Session(cfg)
@@ -189,7 +190,7 @@ def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
     from fairscale.nn import FullyShardedDataParallel
 
     from rayvit.models import build_model
-    from rayvit.training import checkpoint
+    from rayvit.training import checkpoint_layout
     from rayvit.strategies.fairscale_fsdp import FairScaleFSDP
 
     cfg = load_config("cpu_default")
@@ -202,7 +203,7 @@ def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
         FairScaleFSDP.save(None, str(tmp_path), wrapped, optimizer)
     finally:
         dist.destroy_process_group()
-    checkpoint.write_meta(str(tmp_path), {"step": 0, "config": cfg.to_dict()})
+    checkpoint_layout.write_meta(str(tmp_path), {"step": 0, "config": cfg.to_dict()})
     loaded = load_checkpoint(tmp_path)
     for key, value in expected.items():
         torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)
@@ -215,7 +216,7 @@ def test_fairscale_fsdp_shards_are_consolidated_into_one_model(tmp_path):
         FairScaleFSDP.save_model(None, str(alone), wrapped)
     finally:
         dist.destroy_process_group()
-    checkpoint.write_meta(str(alone), {"step": 0, "config": cfg.to_dict(), "resumable": False})
+    checkpoint_layout.write_meta(str(alone), {"step": 0, "config": cfg.to_dict(), "resumable": False})
     loaded = load_checkpoint(alone)
     for key, value in expected.items():
         torch.testing.assert_close(loaded.model.state_dict()[key], value, msg=key)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rayvit.training import hardware, precision
-from rayvit.config import ConfigError, load_config
+from rayvit.config import load_config
+from rayvit.errors import ConfigError
 from rayvit.models import build_model
 from rayvit.training.optim import build_optimizer, lr_factor, param_groups
 from rayvit.worker import Session, train

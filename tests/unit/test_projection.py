@@ -16,7 +16,8 @@ from rayvit.measure.links import fit_link, host_wait, worker_benchmark
 from rayvit.measure.timers import wait_probe
 from rayvit.projection.insweep import sweep_profile
 from rayvit.projection.performance import ComputeRate, compute_from_measured, project
-from rayvit.projection.profiles import Link, cpu_profile, get_profile, with_measured_links
+from rayvit.projection.hardware_profile import Link, with_measured_links
+from rayvit.projection.profiles import cpu_profile, get_profile
 from rayvit.strategies.shapes import vit_tensors
 
 from shared import COMBOS, reduce_dtype, two_ranks, vit_b16
@@ -514,7 +515,7 @@ def test_cli_help_explains_projection():
 def test_activation_model_against_what_autograd_saves(mode):
     import torch
 
-    from rayvit.measure.memory import saved_bytes_per_image
+    from rayvit.measure.activation_memory import saved_bytes_per_image
 
     batch = 4
     cfg = load_config(DEFAULT, [f"precision.mode={mode}", "model.hidden_dim=128", "model.mlp_dim=512"])

@@ -111,7 +111,7 @@ def test_math_attention_keeps_the_matrix_the_model_says(tmp_path):
     import torch
 
     from rayvit.projection import memory
-    from rayvit.measure.memory import saved_bytes_per_image
+    from rayvit.measure.activation_memory import saved_bytes_per_image
 
     for mode in ("fp32", "pure"):
         cfg = load_config(DEFAULT, ["model.attention=math", f"precision.mode={mode}"])

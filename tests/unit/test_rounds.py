@@ -230,7 +230,7 @@ def test_a_local_instance_starts_no_preemption_watcher_and_a_users_choice_stays(
     """Ray Train's preemption watcher starts after a group's workers, while its first steps are timed: off
     on a local instance rayvit started (nothing there can be drained), Ray's default elsewhere. The settings
     are returned for the trainer's fit() to apply for its own duration, never written here."""
-    from rayvit.launch import trainer
+    from rayvit.launch import torch_trainer as trainer
 
     cfg = config()
     for name in (trainer.PREEMPTION_WATCHER_ENV, trainer.HEALTH_CHECK_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"):

@@ -17,7 +17,8 @@ import pytest
 
 
 from rayvit import stats
-from rayvit.config import ConfigError, load_study
+from rayvit.config import load_study
+from rayvit.errors import ConfigError
 from rayvit.results import RunResult
 from rayvit.studies.outcome import Outcome, Verdict
 from rayvit.studies.plan import Point, plan_search

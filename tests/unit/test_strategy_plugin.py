@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rayvit.config import ConfigError, load_config, load_study
+from rayvit.config import load_config, load_study
+from rayvit.errors import ConfigError
 from rayvit.projection import comms, memory
 from rayvit.projection.performance import ComputeRate, project
 from rayvit.projection.profiles import get_profile

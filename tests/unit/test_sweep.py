@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from rayvit.config import ConfigError, load_study
+from rayvit.config import load_study
+from rayvit.errors import ConfigError
 from rayvit.studies.plan import plan
 
 from shared import cli_env, CONFIGS, SCRIPT

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-from rayvit.config import Study
+from rayvit.config_schema import Study
 from rayvit.launch.resources import resources_for
 from rayvit.studies.search import screen
 from rayvit.studies.plan import SearchPlan, plan_search, setting_label

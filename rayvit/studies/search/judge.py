@@ -10,7 +10,7 @@ import math
 from typing import Any, Iterable, Mapping, Optional
 
 from rayvit import stats
-from rayvit.config import SearchConfig
+from rayvit.config_schema import SearchConfig
 from rayvit.errors import BaselineFailed, SearchInterrupted  # noqa: F401 - the search raises them
 from rayvit.results import RunResult
 from rayvit.studies.outcome import Outcome, Verdict, last_line

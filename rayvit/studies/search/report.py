@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from rayvit.config import Config, rayvit_home
+from rayvit.config import rayvit_home
+from rayvit.config_schema import Config
 from rayvit.record import plots
 from rayvit.record.tables import Column, cell, fmt, format_table, times, write_parquet
 from rayvit.studies.outcome import Outcome, Report, last_line

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 from ray import tune
 
 from rayvit import process_state
-from rayvit.config import Config, Study
+from rayvit.config_schema import Config, Study
 from rayvit.launch import compat
 from rayvit.record import tracking
 from rayvit.studies.outcome import Outcome
@@ -97,7 +97,7 @@ def _start(plan: SearchPlan, experiment: str, address: Optional[str], out: Calla
     record, every trial's config (the baseline's first) and how many trials run at once."""
     from rayvit.launch.connect import check_cluster
     from rayvit.launch.storage import check_storage
-    from rayvit.launch.trainer import check_cluster_fits
+    from rayvit.launch.torch_trainer import check_cluster_fits
 
     study, s, name = plan.study, plan.study.search, plan.study.search.name
     check_cluster(address)        # the cluster's address first: a probe, no Ray yet
@@ -142,7 +142,7 @@ def _screen_baseline_trials(run: StudyRun, session: SearchSession, signals: Sign
                             parallel: int) -> None:
     """The screen (grid searches), the baseline, the trials an earlier run finished, then the rest."""
     from rayvit.launch import capacity
-    from rayvit.launch.trainer import fit
+    from rayvit.launch.torch_trainer import fit
 
     plan, out = session.plan, session.out
     s = plan.study.search

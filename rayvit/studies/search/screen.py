@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from rayvit import stats
-from rayvit.config import Config, from_dict
+from rayvit.config import from_dict
+from rayvit.config_schema import Config
 from rayvit.studies.plan import SearchPlan, setting_label
 
 # A screened ratio is never taken as surer than +-5%: a few steps in one process do not see everything a

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 
 from ray import tune
 
-from rayvit.config import SearchConfig, from_dict
+from rayvit.config import from_dict
+from rayvit.config_schema import SearchConfig
 from rayvit.results import RunResult
 from rayvit.studies.outcome import Outcome, is_divergence
 from rayvit.studies.plan import Point, SearchPlan
@@ -51,7 +52,7 @@ def trial_trainable(config: dict[str, Any], *, base: dict[str, Any], search: dic
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
     from rayvit.launch.storage import storage_path
-    from rayvit.launch.trainer import TrainingError, fit
+    from rayvit.launch.torch_trainer import TrainingError, fit
 
     overrides = {k: v for k, v in config.items() if k != TRIAL_KEY}
     label = config.get(TRIAL_KEY) or trial_label(tune.get_context().get_trial_id())

@@ -30,7 +30,7 @@ from ray.tune.search import Searcher
 from ray.tune.search.optuna import OptunaSearch
 
 from rayvit import stats
-from rayvit.config import Config, SearchConfig
+from rayvit.config_schema import Config, SearchConfig
 from rayvit.launch import compat
 from rayvit.studies.search.judge import speedup
 from rayvit.studies.search.screen import stop_reason

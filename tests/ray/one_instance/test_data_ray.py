@@ -106,7 +106,7 @@ def test_dataset_columns_are_checked_on_the_driver(local_ray, digits_parquet):
     """Encoded bytes and rayvit's decoded crops pass (naming which); other columns fail naming them."""
     import ray.data
 
-    from rayvit.config import ConfigError
+    from rayvit.errors import ConfigError
     from rayvit.data.schema import check_dataset
 
     cfg = config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16")

@@ -15,7 +15,8 @@ import pyarrow.fs as pafs
 import pytest
 import ray
 
-from rayvit.config import ConfigError, load_config
+from rayvit.config import load_config
+from rayvit.errors import ConfigError
 from rayvit.data import ray_datasets
 from rayvit.trainer import fit
 

@@ -61,7 +61,7 @@ def test_collective_microbenchmark_on_two_ray_workers(tmp_path, monkeypatch, sha
     """On the local instance conftest.py shares with the trainer's modules (measure_links uses the caller's
     instance; it would start one of its own otherwise)."""
     monkeypatch.setenv("RAYVIT_HOME", str(tmp_path))
-    from rayvit.launch.links import measure_links
+    from rayvit.launch.links_on_ray import measure_links
     from rayvit.measure.timers import KINDS
 
     links = measure_links(2, model=load_config(DEFAULT).to_dict(), batch=4, repeats=3)

@@ -308,7 +308,7 @@ def test_a_hand_built_trainer_with_more_workers_than_the_config_is_refused_with_
 
 
 def test_a_dataset_with_the_wrong_columns_is_refused_on_the_driver_naming_what_it_found():
-    from rayvit.config import ConfigError
+    from rayvit.errors import ConfigError
     from rayvit.trainer import make_trainer
 
     wrong = ray.data.from_items([{"pixels": b"\xff\xd8", "target": 1}] * 4)

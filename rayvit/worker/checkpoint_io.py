@@ -4,7 +4,7 @@ one plain model (:func:`load_checkpoint`).
 
 Replicated strategies' full copy is loaded as is, FSDP2's sharded folder consolidated by
 torch.distributed.checkpoint, FairScale FSDP's per-rank flat shards by FairScale's own offline routine
-(the file layouts: :mod:`rayvit.training.checkpoint`).
+(the file layouts: :mod:`rayvit.training.checkpoint_layout`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rayvit.training.checkpoint import FULL_STATE, META, SHARDED_DIR, load_full_state, read_meta, write_meta
+from rayvit.training.checkpoint_layout import FULL_STATE, META, SHARDED_DIR, load_full_state, read_meta, write_meta
 
 if TYPE_CHECKING:
     from rayvit.worker.loop import Session
@@ -110,7 +110,8 @@ def load_checkpoint(path: Any, *, cfg: Any = None, device: str | torch.device = 
     if hasattr(path, "as_directory"):
         with path.as_directory() as folder:
             return load_checkpoint(folder, cfg=cfg, device=device)
-    from rayvit.config import ConfigError, as_config
+    from rayvit.config import as_config
+    from rayvit.errors import ConfigError
     from rayvit.models import build_model
 
     directory = os.fspath(path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayvit.config import Config
+from rayvit.config_schema import Config
 
 
 def saved_bytes_per_image(cfg: Config, device, batch: int = 4) -> float:

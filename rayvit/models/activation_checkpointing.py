@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from torch import nn
 
-    from rayvit.config import ModelConfig
+    from rayvit.config_schema import ModelConfig
 
 
 def checkpointed_blocks(cfg: "ModelConfig") -> list[int]:

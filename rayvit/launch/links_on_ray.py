@@ -11,7 +11,7 @@ from typing import Any, Optional
 from rayvit import process_state
 from rayvit.launch.connect import ensure_ray
 from rayvit.launch.storage import default_storage_path
-from rayvit.launch.trainer import apply_train_environment, train_environment
+from rayvit.launch.torch_trainer import apply_train_environment, train_environment
 from rayvit.measure.links import worker_benchmark
 
 
@@ -24,7 +24,7 @@ def measure_links(num_workers: int, *, use_gpu: bool = False, cpus_per_worker: i
     with process_state.kept():
         ensure_ray(address)
         # Ray Train's settings for a run that never reports: no preemption watcher starting while the
-        # collectives are timed, on a single local machine (rayvit.launch.trainer.train_environment).
+        # collectives are timed, on a single local machine (rayvit.launch.torch_trainer.train_environment).
         apply_train_environment(train_environment(None, reports=False))
         return _run(num_workers, use_gpu, cpus_per_worker, model, batch, placement_strategy, options)
 

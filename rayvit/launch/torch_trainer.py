@@ -30,7 +30,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from rayvit.errors import CorruptImageError, TrainingError
 from rayvit import process_state
-from rayvit.config import Config, ConfigError, as_config
+from rayvit.config import as_config
+from rayvit.config_schema import Config
+from rayvit.errors import ConfigError
 from rayvit.config_rules import check_with_torch
 from rayvit.launch import capacity
 from rayvit.launch.capacity import ClusterTooSmall

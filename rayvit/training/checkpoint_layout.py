@@ -1,5 +1,5 @@
 """Checkpoint files of one run: the loop's progress (``meta.json``) and a replicated model's full state
-(:func:`rayvit.worker.checkpoint.load_checkpoint` reads any strategy's back into one plain model).
+(:func:`rayvit.worker.checkpoint_io.load_checkpoint` reads any strategy's back into one plain model).
 
 What each strategy writes for its model and optimizer is the strategy's business
 (:meth:`rayvit.strategies.Strategy.save`): one full copy from rank 0 for replicated strategies

@@ -14,7 +14,8 @@ from rayvit.gpu_check.cases import one_line
 def ladder_config(args: argparse.Namespace, *, model: Optional[dict[str, Any]] = None,
                   ladder_image_size: int = 256):
     """The ladder as a study: the chosen ViT at 224 px with an ImageNet head, synthetic batches, one GPU."""
-    from rayvit.config import LADDER_RUNGS, study_from_dict
+    from rayvit.config import study_from_dict
+    from rayvit.config_schema import LADDER_RUNGS
 
     return study_from_dict({
         "model": model or {"name": args.model, "image_size": 224, "num_classes": 1000},
