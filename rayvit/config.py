@@ -12,19 +12,44 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from rayvit.config_build import build, read_yaml, with_overrides
 from rayvit.config_rules import resolved_model, validate, validate_search, validate_sweep
 from rayvit.config_schema import (RUN_SECTIONS, STUDY_SECTIONS, Config, DataConfig, LaunchConfig, ModelConfig,
                                   OptimConfig, ParallelConfig, PrecisionConfig, SearchConfig, Study, SweepConfig,
                                   TrackingConfig, TrainConfig, register_loader)
-from rayvit.errors import ConfigError
+from rayvit.errors import ConfigError, TrackingError
 
 
 def rayvit_home() -> Path:
     """Where rayvit keeps local results (the MLflow store, Ray Train's runs): ``$RAYVIT_HOME``, else ~/.rayvit."""
     return Path(os.environ.get("RAYVIT_HOME") or Path.home() / ".rayvit").expanduser().resolve()
+
+
+def tracking_uri(configured: Optional[str] = None) -> str:
+    """The MLflow tracking URI rayvit records to: ``configured`` (a config's ``tracking.uri``), else
+    ``$MLFLOW_TRACKING_URI``, else ``sqlite:///`` ``rayvit_home()/mlflow.db``.
+
+    Local stores come back absolute (Ray Train workers and ``ray job submit`` drivers run in other
+    folders); a bare file path is read as a sqlite database. A file store (``./mlruns``, ``file:``), which
+    MLflow 3 refuses, is a ``TrackingError`` naming what to use instead.
+    """
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///" + str(rayvit_home() / "mlflow.db")
+    if uri.startswith("sqlite:///"):
+        path = Path(uri[len("sqlite:///"):]).expanduser()
+        return "sqlite:///" + str(path.resolve())
+    if "://" not in uri and not uri.startswith(("file:", "databricks")):
+        path = Path(uri).expanduser().resolve()  # a bare path: a sqlite database file
+        if path.suffix in (".db", ".sqlite", ".sqlite3"):
+            return "sqlite:///" + str(path)
+        uri = "file:" + str(path)
+    if uri.startswith("file:"):
+        raise TrackingError(
+            f"tracking URI {uri!r} names a file store, which MLflow 3 refuses; use "
+            "sqlite:////absolute/folder/mlflow.db, "
+            "a server (http://host:5000), or leave it unset for the local default")
+    return uri
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """MLflow records of sweeps: a parent run per sweep, a nested child run per point.
 
-Where runs go (first that applies):
+Where runs go (first that applies; :func:`rayvit.config.tracking_uri` resolves it):
 
 1. ``tracking.uri`` in the config (or ``--set tracking.uri=...``): an explicit choice for this config;
 2. ``$MLFLOW_TRACKING_URI``: the usual MLflow switch (a server, a cluster-wide store, a test's tmp store);
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 from rayvit.errors import TrackingError
-from rayvit.config import rayvit_home
 from rayvit.formats import number as _number
 from rayvit.record import views
 from rayvit.record.views import CURVE_X, TAG_KIND, TAG_SWEEP, now_ms, quote
@@ -54,32 +53,6 @@ EXPERIMENT_KIND = "custom_model_development"   # "Model training", not the GenAI
 
 # --------------------------------------------------------------------------------------------------
 # Where runs go
-
-
-def default_tracking_uri() -> str:
-    return "sqlite:///" + str(rayvit_home() / "mlflow.db")
-
-
-def resolve_tracking_uri(configured: Optional[str] = None) -> str:
-    """The tracking URI to use: the config's, else ``$MLFLOW_TRACKING_URI``, else the local default.
-
-    Local stores come back absolute; a bare file path is read as a sqlite database.
-    """
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
-    if uri.startswith("sqlite:///"):
-        path = Path(uri[len("sqlite:///"):]).expanduser()
-        return "sqlite:///" + str(path.resolve())
-    if "://" not in uri and not uri.startswith(("file:", "databricks")):
-        path = Path(uri).expanduser().resolve()  # a bare path: a sqlite database file
-        if path.suffix in (".db", ".sqlite", ".sqlite3"):
-            return "sqlite:///" + str(path)
-        uri = "file:" + str(path)
-    if uri.startswith("file:"):
-        raise TrackingError(
-            f"tracking URI {uri!r} names a file store, which MLflow 3 refuses; use "
-            "sqlite:////absolute/folder/mlflow.db, "
-            "a server (http://host:5000), or leave it unset for the local default")
-    return uri
 
 
 def sqlite_path(uri: str) -> Optional[Path]:

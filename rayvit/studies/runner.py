@@ -17,6 +17,7 @@ import traceback
 from typing import Any, Callable, Mapping, Optional
 
 from rayvit.config_schema import Study
+from rayvit.config import tracking_uri
 from rayvit.record import tracking
 from rayvit.formats import clock, fmt, interval
 from rayvit.results import RunResult
@@ -196,7 +197,7 @@ class StudyRun:
 
     def __init__(self, study: Study, name: str, experiment: str, kind: str):
         # Fail fast and before anything is recorded: an unusable store is found here.
-        self.uri = tracking.resolve_tracking_uri(study.tracking.uri)
+        self.uri = tracking_uri(study.tracking.uri)
         tracking.check_reachable(self.uri)
         self.study, self.name, self.experiment, self.kind = study, name, experiment, kind
         self.tracker = tracking.SweepTracker(self.uri, experiment, name)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from rayvit import process_state
 from rayvit.config_schema import Study
+from rayvit.config import tracking_uri
 from rayvit.record import plots, tracking
 from rayvit.record.tables import Column, cell, fmt, format_table, number, write_parquet
 from rayvit.studies.derived import DERIVED_KEYS, add_derived, rows_of, verdict
@@ -78,7 +79,7 @@ def _prepare(study: Study, points: list[Point], experiment: str, address: Option
     # Fail fast, cheapest first and before anything is recorded: the cluster's address (a probe, no Ray
     # yet), the tracking store, then the cluster itself.
     check_cluster(address)
-    uri = tracking.resolve_tracking_uri(study.tracking.uri)
+    uri = tracking_uri(study.tracking.uri)
     tracking.check_reachable(uri)
     started = tracking.is_new_store(uri)
     if started:

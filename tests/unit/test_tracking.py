@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from rayvit.config import load_study
+from rayvit.config import load_study, tracking_uri
 from rayvit.record import plots, tracking
 from rayvit.record.tables import write_parquet
 from rayvit.studies.plan import plan
@@ -32,16 +32,16 @@ def test_uri_precedence_and_absolute_local_stores(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAYVIT_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert tracking.resolve_tracking_uri() == f"sqlite:///{tmp_path}/home/mlflow.db"
+    assert tracking_uri() == f"sqlite:///{tmp_path}/home/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
-    assert tracking.resolve_tracking_uri() == "http://127.0.0.1:5999"
+    assert tracking_uri() == "http://127.0.0.1:5999"
     # The config's explicit choice wins over the environment; relative paths become absolute.
-    assert tracking.resolve_tracking_uri("sqlite:///rel/m.db") == f"sqlite:///{tmp_path}/rel/m.db"
-    assert tracking.resolve_tracking_uri("runs/m.db") == f"sqlite:///{tmp_path}/runs/m.db"
+    assert tracking_uri("sqlite:///rel/m.db") == f"sqlite:///{tmp_path}/rel/m.db"
+    assert tracking_uri("runs/m.db") == f"sqlite:///{tmp_path}/runs/m.db"
     with pytest.raises(tracking.TrackingError, match="file store"):
-        tracking.resolve_tracking_uri("./mlruns")
+        tracking_uri("./mlruns")
     with pytest.raises(tracking.TrackingError, match="file store"):
-        tracking.resolve_tracking_uri("file:///tmp/mlruns")
+        tracking_uri("file:///tmp/mlruns")
 
 
 def test_unreachable_server_is_reported_quickly():
