@@ -14,7 +14,8 @@ import statistics
 
 from rayvit.worker.bench import bench_config, compare_configs
 from rayvit.config import load_config
-from rayvit.trainer import ensure_ray, fit
+from rayvit.launch.connect import ensure_ray
+from rayvit.trainer import fit
 
 DEFAULTS = ["model.name=vit_ti16", "model.image_size=64", "model.patch_size=16", "train.batch_size=16",
             "parallel.cpus_per_worker=2", "data.name=synthetic", "train.steps=40", "train.warmup_steps=5",

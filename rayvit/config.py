@@ -148,4 +148,5 @@ register_loader(from_dict, study_from_dict)
 
 __all__ = ["Config", "DataConfig", "LaunchConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig",
            "SearchConfig", "Study", "SweepConfig", "TrackingConfig", "TrainConfig", "as_config", "config_path",
-           "from_dict", "load_config", "load_study", "rayvit_home", "shipped_configs", "study_from_dict"]
+           "from_dict", "load_config", "load_study", "rayvit_home", "shipped_configs", "study_from_dict",
+           "tracking_uri"]

@@ -1,12 +1,14 @@
-"""The Ray Train worker's side of rayvit: the function every worker runs (:func:`train_loop_per_worker`),
-what it reports to Ray Train and when, and the config it takes (:func:`loop_config`).
+"""The Ray Train worker's side of rayvit: the functions the workers run, one per payload
+(:mod:`rayvit.launch.payload`): :func:`train_loop_per_worker` for one run, with the config it takes
+(:func:`loop_config`), and :func:`measure_group_per_worker` for a group measured in rounds; what a run
+reports to Ray Train and when.
 
 Every ``train.report_every`` steps a worker reports its running figures; the last report (``final``
 true), after the final evaluation, carries the run's summary and a checkpoint (rank 0 writes the summary
 into it), so that Ray Train builds ``result.metrics`` from it. That checkpoint also holds the trained
 model (``final_model``, the default): whole from rank 0, or in FairScale FSDP's own sharded layout, so
 ``load_checkpoint(result.checkpoint).model`` is the model. A worker group measuring rounds
-(``config["group"]``) reports nothing and returns every round's results instead.
+(:func:`measure_group_per_worker`) reports nothing and returns every round's results instead.
 
 Ray Train registers a reported checkpoint only once its controller has taken every rank's report of it,
 which it polls every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (2 s by default), while ``ray.train.report``
@@ -32,6 +34,7 @@ from ray.train import Checkpoint
 from rayvit.config import as_config, from_dict
 from rayvit.config_schema import Config
 from rayvit.errors import ConfigError
+from rayvit.launch.payload import GroupPayload, Payload, RunPayload
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
 from rayvit.worker.checkpoint_io import resumable
@@ -41,28 +44,56 @@ logger = logging.getLogger(__name__)
 # The key of the final report, and the file rank 0 writes the summary into in its checkpoint.
 FINAL_KEY = "final"
 SUMMARY_FILE = "rayvit_summary.json"
-# The loop config's key saying whether the final checkpoint carries the trained model.
-FINAL_MODEL_KEY = "final_model"
 
 
 def loop_config(cfg: Config | dict, *, final_model: bool = True) -> dict[str, Any]:
     """The ``train_loop_config`` of :func:`train_loop_per_worker` for ``cfg``, validated here on the driver
-    (a typo is a ``ConfigError`` now, not a worker's error seconds later). ``final_model``: the final
-    checkpoint carries the trained model (else only the summary, and the state ``train.checkpoint_every``
-    writes)."""
-    return {"rayvit": as_config(cfg).to_dict(), FINAL_MODEL_KEY: final_model}
+    (a typo is a ``ConfigError`` now, not a worker's error seconds later): a :class:`RunPayload` as one key
+    (:mod:`rayvit.launch.payload`). ``final_model``: the final checkpoint carries the trained model (else
+    only the summary, and the state ``train.checkpoint_every`` writes)."""
+    return RunPayload(as_config(cfg).to_dict(), final_model=final_model).to_loop_config()
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
-    """Ray Train worker entry point: ``config = {"rayvit": Config.to_dict()}`` (:func:`loop_config`).
+    """Ray Train worker entry point of one run: ``config`` is :func:`loop_config`'s (a :class:`RunPayload`).
     Returns the summary dict; every ``train.report_every`` steps it reports the running figures, and once
-    more at the end the run's summary (see :func:`make_trainer`).
+    more at the end the run's summary (see :func:`rayvit.launch.torch_trainer.make_trainer`)."""
+    payload = RunPayload.of(config)
+    cfg, device, shards = _start(payload.config)
+    out = _train_one(cfg, payload, device, shards).to_dict()
+    if payload.links is not None:
+        out["links"] = _measure_links(cfg, payload, [payload.config], host_waits=[])
+    return out
 
-    With ``config["group"]`` (a list of config dicts) and ``config["rounds"]``, the workers measure every
-    config of the group in interleaved rounds instead (:func:`rayvit.worker.rounds.measure_rounds`) and
-    return ``{"group": [one entry per config]}``.
-    """
-    cfg = from_dict(config["rayvit"])
+
+def measure_group_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """Ray Train worker entry point of a group (a :class:`GroupPayload`): the workers measure every config
+    of the group in interleaved rounds (:func:`rayvit.worker.rounds.measure_rounds`), report nothing and
+    return ``{"group": [one entry per config]}`` (with ``"links"`` when the payload asks for them)."""
+    from rayvit.worker.rounds import measure_rounds
+
+    payload = GroupPayload.of(config)
+    cfg, device, shards = _start(payload.config)
+    poster, waits = payload.progress, []
+    between = None
+    if payload.links is not None:
+        # The wait for the slowest rank drifts over seconds on a shared host: read it after every
+        # round, so the links cover the same minutes as the points they project.
+        from rayvit.measure.timers import wait_curve
+
+        between = lambda r: waits.append(wait_curve(device))  # noqa: E731
+    out: dict[str, Any] = {"group": measure_rounds(
+        [from_dict(c) for c in payload.group], payload.rounds, device=device, dataset_shards=shards,
+        on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None,
+        between_rounds=between, on_abandon=poster.round_abandoned if poster else None)}
+    if payload.links is not None:
+        out["links"] = _measure_links(cfg, payload, payload.group, host_waits=waits)
+    return out
+
+
+def _start(config: dict[str, Any]) -> tuple[Config, torch.device, Optional[dict]]:
+    """The worker's config (checked against what Ray gave it), device and dataset shards."""
+    cfg = from_dict(config)
     _check_worker_matches(cfg)
     device = ray.train.torch.get_device() if cfg.parallel.use_gpu else torch.device("cpu")
     if device.type == "cpu":
@@ -76,28 +107,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             shards[name] = ray.train.get_dataset_shard(name)
         except (KeyError, ValueError, RuntimeError):
             shards[name] = None
-    shards = shards if shards["train"] is not None else None
-    waits: list[list[list[float]]] = []
-    if config.get("group") is not None:
-        from rayvit.worker.rounds import measure_rounds
-
-        poster = config.get("progress")
-        between = None
-        if config.get("links") is not None:
-            # The wait for the slowest rank drifts over seconds on a shared host: read it after every
-            # round, so the links cover the same minutes as the points they project.
-            from rayvit.measure.timers import wait_curve
-
-            between = lambda r: waits.append(wait_curve(device))  # noqa: E731
-        out: dict[str, Any] = {"group": measure_rounds(
-            [from_dict(c) for c in config["group"]], config["rounds"], device=device, dataset_shards=shards,
-            on_step=poster.step_of_group if poster else None, on_round=poster.round_of_group if poster else None,
-            between_rounds=between, on_abandon=poster.round_abandoned if poster else None)}
-    else:
-        out = _train_one(cfg, config, device, shards).to_dict()
-    if config.get("links") is not None:
-        out["links"] = _measure_links(cfg, {**config, "links": {**config["links"], "host_waits": waits}})
-    return out
+    return cfg, device, (shards if shards["train"] is not None else None)
 
 
 def _check_worker_matches(cfg: Config) -> None:
@@ -119,9 +129,9 @@ def _check_worker_matches(cfg: Config) -> None:
                           "pass scaling_config=rayvit.trainer.scaling_config(cfg) to your TorchTrainer")
 
 
-def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards: Optional[dict]) -> RunResult:
+def _train_one(cfg: Config, payload: RunPayload, device: torch.device, shards: Optional[dict]) -> RunResult:
     t = cfg.train
-    final_model = config.get(FINAL_MODEL_KEY, True)
+    final_model = payload.final_model
 
     def report(metrics: dict, session: Session) -> None:
         final = bool(metrics.get(FINAL_KEY))
@@ -149,7 +159,7 @@ def _train_one(cfg: Config, config: dict[str, Any], device: torch.device, shards
         if resume_from is not None and not resumable(resume_from):
             resume_from = None      # a final checkpoint with the model alone, or the summary: nothing to resume
         return train(cfg, device=device, dataset_shards=shards, report=report, resume_from=resume_from,
-                     on_step=config.get("progress"))
+                     on_step=payload.progress)
 
 
 def _committed() -> None:
@@ -162,7 +172,8 @@ def _committed() -> None:
         ray.train.get_all_reported_checkpoints(consistency_mode=mode.COMMITTED)
 
 
-def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
+def _measure_links(cfg: Config, payload: Payload, strategy_configs: list[dict[str, Any]],
+                   host_waits: list[list[list[float]]]) -> dict[str, Any]:
     """The collective microbenchmark after training, outside every timed step, on these very workers.
 
     It never fails the run it follows (an OOM on a small GPU, a collective the backend lacks): the error
@@ -172,8 +183,9 @@ def _measure_links(cfg: Config, config: dict[str, Any]) -> dict[str, Any]:
 
     try:
         return worker_benchmark({"use_gpu": cfg.parallel.use_gpu, "threads": cfg.parallel.cpus_per_worker,
-                                 "model": config["rayvit"], "batch": cfg.train.batch_size,
-                                 "strategy_configs": config.get("group") or [config["rayvit"]], **config["links"]})
+                                 "model": payload.config, "batch": cfg.train.batch_size,
+                                 "strategy_configs": strategy_configs, **(payload.links or {}),
+                                 "host_waits": host_waits})
     except Exception as e:  # noqa: BLE001
         logger.warning("the links microbenchmark failed: %s", e)
         return {"error": f"{type(e).__name__}: {e}"}

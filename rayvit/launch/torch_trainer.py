@@ -37,7 +37,8 @@ from rayvit.config_rules import check_with_torch
 from rayvit.launch import capacity
 from rayvit.launch.capacity import ClusterTooSmall
 from rayvit.launch.connect import ensure_ray, started_local
-from rayvit.launch.entry import loop_config, train_loop_per_worker
+from rayvit.launch.entry import measure_group_per_worker, train_loop_per_worker
+from rayvit.launch.payload import GroupPayload, RunPayload
 from rayvit.launch.progress import ProgressChannel
 from rayvit.launch.resources import worker_bundle
 from rayvit.launch.storage import StorageError, check_storage, storage_path
@@ -168,6 +169,11 @@ class RayvitTrainer(TorchTrainer):
     (a cluster too small, Ray Data with no CPU to read on, checkpoints without shared storage).
     :meth:`fit` sets Ray Train's environment-only settings for its own duration and leaves the caller's
     process as it found it (:mod:`rayvit.process_state`).
+
+    Built by :func:`make_trainer` (the public options), and by :func:`fit` / :func:`fit_group` with rayvit's
+    own: ``progress`` (called by every worker after every step), ``measure_links`` (the collective
+    microbenchmark's options) and ``group`` with ``rounds`` (configs measured in interleaved rounds). Its
+    workers get a typed payload (:mod:`rayvit.launch.payload`).
     """
 
     def __init__(self, cfg: Config | dict, *, scaling_config: Optional[ScalingConfig] = None,
@@ -198,9 +204,12 @@ class RayvitTrainer(TorchTrainer):
             from rayvit.data import ray_datasets
 
             datasets = ray_datasets(cfg)
-        config = {**loop_config(cfg, final_model=final_model), "progress": progress, "links": measure_links,
-                  "group": [c.to_dict() for c in group] if group is not None else None, "rounds": rounds}
-        super().__init__(train_loop_per_worker, train_loop_config=config,
+        if group is None:
+            loop, payload = train_loop_per_worker, RunPayload(cfg.to_dict(), progress, measure_links, final_model)
+        else:
+            loop, payload = measure_group_per_worker, GroupPayload(
+                cfg.to_dict(), progress, measure_links, group=[c.to_dict() for c in group], rounds=rounds)
+        super().__init__(loop, train_loop_config=payload.to_loop_config(),
                          scaling_config=scaling_config or _scaling(cfg),
                          torch_config=TorchConfig(backend="nccl" if cfg.parallel.use_gpu else "gloo"),
                          run_config=run_config, datasets=datasets)
@@ -255,17 +264,6 @@ def make_trainer(cfg: Config | dict | str, *, scaling_config: Optional[ScalingCo
                          final_model=final_model)
 
 
-def build_trainer(cfg: Config | dict, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
-                  progress: Optional[Callable] = None, measure_links: Optional[dict] = None,
-                  group: Optional[list[Config]] = None, rounds: int = 1, final_model: bool = True) -> RayvitTrainer:
-    """:func:`make_trainer` with rayvit's own options: ``progress`` is called by every worker after every
-    step (:mod:`rayvit.launch.progress`); ``measure_links``: options of the collective microbenchmark the
-    workers run after training (``{}`` for the defaults), returned in ``RunResult.links``; ``group``:
-    configs to measure on these workers in ``rounds`` interleaved rounds instead (:func:`fit_group`)."""
-    return RayvitTrainer(cfg, datasets=datasets, run_config=run_config, progress=progress,
-                         measure_links=measure_links, group=group, rounds=rounds, final_model=final_model)
-
-
 @process_state.keeps_process_state
 def fit(cfg: Config | dict | str, *, datasets: Optional[dict] = None, run_config: Optional[RunConfig] = None,
         on_progress: Optional[Callable[[dict], None]] = None, measure_links: Optional[dict] = None) -> RunResult:
@@ -273,7 +271,8 @@ def fit(cfg: Config | dict | str, *, datasets: Optional[dict] = None, run_config
     Uses the caller's Ray, else starts a local instance for the call.
 
     ``on_progress`` receives rank 0's figures (step, steps, loss, images/s per chip) about once a second.
-    ``measure_links``: see :func:`build_trainer`.
+    ``measure_links``: options of the collective microbenchmark the workers run after training (``{}`` for
+    its defaults), returned in ``RunResult.links``.
     """
     cfg = as_config(cfg)
     value = _run([cfg], f"{cfg.parallel.strategy} x {cfg.parallel.num_workers} workers", datasets=datasets,
@@ -358,7 +357,7 @@ def _run(cfgs: list[Config], what: str, *, datasets: Optional[dict] = None,
     ensure_ray()                   # before the progress channel, an actor
     channel = ProgressChannel(on_progress) if on_progress else contextlib.nullcontext()
     # fit() returns the summary, not the checkpoint: its final one need not carry the model.
-    trainer = build_trainer(cfgs[0], datasets=datasets, run_config=run_config,
+    trainer = RayvitTrainer(cfgs[0], datasets=datasets, run_config=run_config,
                             progress=channel.poster() if on_progress else None, measure_links=measure_links,
                             group=group, rounds=rounds, final_model=False)
     try:

@@ -68,8 +68,8 @@ from ray.util.state import list_actors
 from rayvit.config import ConfigError, from_dict
 from rayvit.launch.connect import started_local
 from rayvit.config import load_config
-from rayvit.trainer import (ensure_ray, fit, load_checkpoint, loop_config, make_trainer, scaling_config,
-                            train_loop_per_worker)
+from rayvit.launch.connect import ensure_ray
+from rayvit.trainer import fit, load_checkpoint, loop_config, make_trainer, scaling_config, train_loop_per_worker
 
 spec = json.load(open(sys.argv[1]))
 events = open(spec["events"], "a", buffering=1)

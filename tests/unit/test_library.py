@@ -101,6 +101,37 @@ def test_a_trainer_is_checked_on_the_driver_before_any_worker_starts():
     assert scaling_config(cfg).num_workers == 2 and scaling_config(cfg).resources_per_worker == {"CPU": 1.0}
 
 
+def test_the_workers_get_a_typed_payload_as_one_key_of_a_plain_dict():
+    """loop_config's train_loop_config is a dict of one key (what Ray Train and Tune see) holding a plain
+    dict; a run and a group each go to their own worker function, which refuses any other payload with a
+    ConfigError naming what makes the right one, before touching Ray."""
+    from rayvit.launch.entry import measure_group_per_worker
+    from rayvit.launch.payload import GroupPayload, RunPayload
+    from rayvit.launch.torch_trainer import RayvitTrainer
+    from rayvit.trainer import loop_config, make_trainer, train_loop_per_worker
+
+    cfg = load_config("cpu_default", ["parallel.num_workers=2"])
+    handed = loop_config(cfg, final_model=False)
+    assert list(handed) == ["rayvit"] and isinstance(handed["rayvit"], dict)
+    assert RunPayload.of(handed) == RunPayload(cfg.to_dict(), final_model=False)
+    trainer = make_trainer(cfg)
+    assert trainer.train_loop_per_worker is train_loop_per_worker
+    assert RunPayload.of(trainer.train_loop_config) == RunPayload(cfg.to_dict())
+    group = RayvitTrainer(cfg, group=[cfg, cfg.replace({"optim.impl": "loop"})], rounds=3, measure_links={})
+    assert group.train_loop_per_worker is measure_group_per_worker
+    payload = GroupPayload.of(group.train_loop_config)
+    assert payload.rounds == 3 and payload.links == {} and len(payload.group) == 2
+    assert payload.group[1]["optim"]["impl"] == "loop"
+    with pytest.raises(ConfigError, match=r"rayvit.trainer.loop_config\(cfg\)"):
+        train_loop_per_worker({"rayvit": cfg.to_dict()})
+    with pytest.raises(ConfigError, match="a RunPayload"):
+        train_loop_per_worker(group.train_loop_config)
+    with pytest.raises(ConfigError, match="a GroupPayload"):
+        measure_group_per_worker(handed)
+    with pytest.raises(ConfigError, match="unknown fields"):
+        RunPayload.of({"rayvit": {**handed["rayvit"], "rounds": 3}})
+
+
 @pytest.mark.parametrize("strategy, mode", [("ddp", "fp32"), ("ddp", "mixed"), ("fsdp", "mixed"),
                                             ("fairscale_oss", "fp32")])
 def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strategy, mode):

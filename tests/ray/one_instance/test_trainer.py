@@ -12,7 +12,8 @@ from ray.util.state import list_actors
 from rayvit.config import load_config
 from rayvit.launch.connect import started_local
 from rayvit.results import RunResult
-from rayvit.trainer import ClusterTooSmall, TrainingError, build_trainer, check_cluster_fits, fit, load_checkpoint
+from rayvit.launch.torch_trainer import check_cluster_fits
+from rayvit.trainer import ClusterTooSmall, TrainingError, fit, load_checkpoint, make_trainer
 
 from shared import ProcessSnapshot
 
@@ -49,7 +50,7 @@ def test_ddp_fsdp_and_oss_reach_the_same_parameters_and_fsdp_holds_half_the_stat
     for strategy in ("ddp", "fsdp", "fairscale_oss"):
         cfg = two_workers(f"parallel.strategy={strategy}", "optim.name=sgd", "optim.lr=0.05",
                           "train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=4")
-        result = build_trainer(cfg).fit()
+        result = make_trainer(cfg).fit()
         results[strategy] = RunResult.from_dict(result.return_value)
         params[strategy] = final_params(result.checkpoint.path, strategy, tmp_path)
         assert results[strategy]["world_size"] == 2
@@ -104,7 +105,6 @@ def test_the_readme_sequence_gives_any_strategys_trained_model_by_default():
     train.checkpoint_every): the final checkpoint holds the trained model, one file from rank 0 whatever
     the strategy, and that model scores the validation accuracy the run reported. rayvit's own fit(),
     which returns a summary, writes no model."""
-    from rayvit.trainer import make_trainer
 
     for strategy in ("ddp", "fsdp", "fairscale_oss"):
         cfg = load_config("cpu_default", ["parallel.num_workers=2", "data.name=digits", "train.steps=30",
@@ -114,7 +114,7 @@ def test_the_readme_sequence_gives_any_strategys_trained_model_by_default():
         loaded = load_checkpoint(result.checkpoint)
         assert loaded.step == 30 and loaded.config == cfg and loaded.optimizer_state is None
         assert _accuracy(loaded.model, cfg) == pytest.approx(result.metrics["val_accuracy"], abs=1.5 / 360), strategy
-    summary_only = build_trainer(cfg, final_model=False).fit()
+    summary_only = make_trainer(cfg, final_model=False).fit()
     assert os.listdir(summary_only.checkpoint.path) == ["rayvit_summary.json"]
 
 
@@ -309,7 +309,6 @@ def test_a_hand_built_trainer_with_more_workers_than_the_config_is_refused_with_
 
 def test_a_dataset_with_the_wrong_columns_is_refused_on_the_driver_naming_what_it_found():
     from rayvit.errors import ConfigError
-    from rayvit.trainer import make_trainer
 
     wrong = ray.data.from_items([{"pixels": b"\xff\xd8", "target": 1}] * 4)
     start = time.monotonic()
@@ -338,7 +337,6 @@ def test_a_corrupt_row_of_the_callers_dataset_is_named_first_and_ray_data_runs_q
     import pyarrow.parquet as pq
 
     from rayvit.errors import CorruptImageError
-    from rayvit.trainer import make_trainer
 
     photos = export_photos_parquet(tmp_path, per_class=3, bad=True, rows_per_shard=1000)
     table = pq.read_table(photos, columns=["image", "label"])
