@@ -121,6 +121,7 @@ def search_parser(prog: str) -> argparse.ArgumentParser:
                              "estimated device-hours, then exit (no Ray, no MLflow, no cluster needed)")
     return parser
 
+
 def search(argv: Sequence[str], prog: str = "rayvit search") -> int:
     args = search_parser(prog).parse_args(argv)
 
