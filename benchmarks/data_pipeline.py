@@ -219,7 +219,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker[0], args.size, int(args.worker[1]), args.worker[2] == "1")))
         return
     from rayvit.worker.bench_data import cpu_description
-    from rayvit.data.photos import make_photos
+    from rayvit.datasets import make_photos
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_photos(Path(tmp) / "photos", per_class=args.per_class)

@@ -30,14 +30,13 @@ def main() -> None:
 
     from rayvit.config import load_study
     from rayvit.worker.bench_data import cpu_description
-    from rayvit.data.photos import make_photos
-    from rayvit.data.to_parquet import convert
+    from rayvit.datasets import make_photos, to_parquet
     from rayvit.formats import interval
     from rayvit.studies.sweep import run_sweep
 
     repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
-        convert(make_photos(Path(tmp) / "photos", per_class=40), Path(tmp) / "parquet", rows_per_shard=80)
+        to_parquet(make_photos(Path(tmp) / "photos", per_class=40), Path(tmp) / "parquet", rows_per_shard=80)
         os.environ["RAYVIT_HOME"] = str(Path(tmp) / "home")
         ray.init(num_cpus=args.cpus, include_dashboard=True, runtime_env={"env_vars": {"PYTHONPATH": str(repo)}})
         lines = [f"CPU: {cpu_description()}; local Ray with {args.cpus} logical CPUs on {os.cpu_count()} cores"]

@@ -1,7 +1,7 @@
 """Without Ray (one process): the default model on parquet photographs, per data.prefetch_batches and
 parallel.cpus_per_worker, in alternating rounds; median images/s and data_wait_fraction over 3 rounds.
 
-    python -m rayvit.data.photos /tmp/photos && rayvit to-parquet /tmp/photos /tmp/photos.parquet
+    rayvit make-photos /tmp/photos && rayvit to-parquet /tmp/photos /tmp/photos.parquet
     python benchmarks/prefetch_local.py /tmp/photos.parquet
 """
 import statistics, sys

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from rayvit.gpu_check import main as gpu_check
+from rayvit.cli import gpu_check
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -144,7 +144,7 @@ def export_digits_parquet(root: Path) -> Path:
     import contextlib
     import io
 
-    from rayvit.data.to_parquet import main as to_parquet
+    from rayvit.cli import to_parquet
 
     export_image_folder(root / "folder")
     # The CLI's own entry point, in this process (a subprocess would spend seconds importing).
@@ -163,7 +163,7 @@ def export_photos_parquet(root: Path, per_class: int = 8, bad: bool = False, row
     import io
 
     from rayvit.data.photos import make_photos
-    from rayvit.data.to_parquet import main as to_parquet
+    from rayvit.cli import to_parquet
 
     folder = make_photos(root / "photos", per_class=per_class)
     if bad:

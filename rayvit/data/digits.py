@@ -64,7 +64,7 @@ def export_image_folder(dst: str | os.PathLike, limit: Optional[int] = None) -> 
     """Write the digits as 8x8 greyscale PNGs in ``dst/<label>/<index>.png`` (one folder per class).
 
     Pixels 0..16 are scaled to 0..255 (exactly invertible by rounding). ``limit`` keeps the first N
-    digits. Returns ``dst``. This is the image-folder layout ``python -m rayvit.data.to_parquet`` reads.
+    digits. Returns ``dst``. This is the image-folder layout ``rayvit to-parquet`` reads.
     """
     from PIL import Image
 

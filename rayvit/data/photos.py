@@ -1,6 +1,6 @@
 """ImageNet-like JPEGs made offline from the colour photographs scikit-image ships: a realistic test set.
 
-    python -m rayvit.data.photos DST [--per-class 40] [--seed 0]
+    rayvit make-photos DST [--per-class 40] [--seed 0]     (rayvit.datasets.make_photos in Python)
     rayvit to-parquet DST DST.parquet
 
 Each class is one source photograph (an astronaut, a cat, coffee, a rocket, a galaxy field, a stained
@@ -14,10 +14,7 @@ rayvit's ``test`` extra); nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -66,39 +63,19 @@ def _variant(photo, rng: np.random.Generator):
     return ImageEnhance.Color(crop).enhance(float(rng.uniform(0.85, 1.15)))
 
 
-def make_photos(dst: str | Path, per_class: int = 40, seed: int = 0) -> Path:
-    """Write ``dst/<source>/<nnnn>.jpg``: ``per_class`` distinct JPEGs of each source photograph."""
+def make_photos(folder: str | Path, per_class: int = 40, seed: int = 0) -> Path:
+    """Write ``folder/<source>/<nnnn>.jpg``: ``per_class`` distinct JPEGs of each source photograph."""
     from PIL import Image
 
     if per_class < 1:
         raise ValueError(f"--per-class must be at least 1, got {per_class}")
-    dst = Path(dst)
+    root = Path(folder)
     rng = np.random.default_rng(seed)
     for name, pixels in source_photographs().items():
-        folder = dst / name
-        folder.mkdir(parents=True, exist_ok=True)
+        class_folder = root / name
+        class_folder.mkdir(parents=True, exist_ok=True)
         photo = Image.fromarray(pixels).convert("RGB")
         for i in range(per_class):
-            _variant(photo, rng).save(folder / f"{i:04d}.jpg", "JPEG", quality=int(rng.integers(75, 96)),
+            _variant(photo, rng).save(class_folder / f"{i:04d}.jpg", "JPEG", quality=int(rng.integers(75, 96)),
                                       subsampling="4:2:0")
-    return dst
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rayvit.data.photos", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dst", metavar="DST", help="output image folder (one subfolder per class)")
-    parser.add_argument("--per-class", type=int, default=40, help="images per class (default 40; 8 classes)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    try:
-        folder = make_photos(args.dst, args.per_class, args.seed)
-    except (ImportError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.per_class * len(SOURCES)} JPEGs of {len(SOURCES)} classes to {folder.resolve()}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return root

@@ -1,17 +1,14 @@
-"""Convert an image-folder tree (one subfolder per class) into parquet shards for rayvit.
-
-    rayvit to-parquet SRC DST [--rows-per-shard N] [--seed S]
+"""Convert an image-folder tree (one subfolder per class) into parquet shards for rayvit: :func:`to_parquet`,
+public as :func:`rayvit.datasets.to_parquet`; its command line is ``rayvit to-parquet SRC DST [--rows-per-shard N]
+[--seed S]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import sys
 from pathlib import Path
-from typing import Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,7 +32,7 @@ def list_image_folder(src: Path) -> tuple[list[str], list[tuple[Path, int]]]:
     return classes, items
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, rows_per_shard: int = 10_000,
+def to_parquet(src: str | os.PathLike, dst: str | os.PathLike, rows_per_shard: int = 10_000,
             seed: int = 0) -> list[Path]:
     """Write ``dst/part-NNNNN.parquet`` shards with ``image`` (bytes) and ``label`` (int64) columns.
 
@@ -59,34 +56,3 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, rows_per_shard: int 
         pq.write_table(table, path)
         written.append(path)
     return written
-
-
-def main(argv: Optional[Sequence[str]] = None, prog: str = "rayvit to-parquet") -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Convert an image-folder tree into parquet shards that rayvit reads with "
-                    "data.name=parquet data.path=DST. SRC holds one subfolder per class; the class "
-                    "index of an image is the position of its folder among the sorted folder names. "
-                    "Each row holds the encoded file bytes (column 'image') and the class index "
-                    "(column 'label', int64); the class names are stored in the schema metadata.")
-    parser.add_argument("src", metavar="SRC", help="image folder: SRC/<class name>/<image files>")
-    parser.add_argument("dst", metavar="DST", help="output folder for part-NNNNN.parquet shards")
-    parser.add_argument("--rows-per-shard", type=int, default=10_000, metavar="N",
-                        help="images per parquet file (default: 10000)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the row shuffle that mixes classes across shards (default: 0)")
-    args = parser.parse_args(argv)
-    try:
-        written = convert(args.src, args.dst, args.rows_per_shard, args.seed)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rows = sum(pq.read_metadata(p).num_rows for p in written)
-    classes = json.loads(pq.read_schema(written[0]).metadata[CLASS_NAMES_KEY])
-    print(f"wrote {rows} images of {len(classes)} classes to {len(written)} shard(s) in "
-          f"{os.path.abspath(args.dst)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,33 +1,49 @@
 """The GPU check's ladder: the study's optimization rungs on one GPU, with per-chip TFLOPS, MFU and each
 rung's ratio to the baseline (see :mod:`rayvit.gpu_check`)."""
 
-
 from __future__ import annotations
 
-import argparse
 import gc
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from rayvit.gpu_check.cases import one_line
 
-def ladder_config(args: argparse.Namespace, *, model: Optional[dict[str, Any]] = None,
+
+@dataclass(frozen=True)
+class GpuCheckOptions:
+    """What a GPU check runs: ``rayvit gpu-check``'s options (its --help explains each)."""
+
+    model: str = "vit_l16"
+    compile: bool = False
+    batch_size: int = 32
+    steps: int = 20
+    warmup: int = 5
+    dtype: str = "bf16"
+    baseline_precision: str = "amp"
+    no_ladder: bool = False
+    quick: bool = False
+    out: str = "results/gpu_check.json"
+
+
+def ladder_config(options: GpuCheckOptions, *, model: Optional[dict[str, Any]] = None,
                   ladder_image_size: int = 256):
     """The ladder as a study: the chosen ViT at 224 px with an ImageNet head, synthetic batches, one GPU."""
     from rayvit.config import study_from_dict
     from rayvit.config_schema import LADDER_RUNGS
 
     return study_from_dict({
-        "model": model or {"name": args.model, "image_size": 224, "num_classes": 1000},
-        "precision": {"mode": args.baseline_precision, "dtype": args.dtype},
+        "model": model or {"name": options.model, "image_size": 224, "num_classes": 1000},
+        "precision": {"mode": options.baseline_precision, "dtype": options.dtype},
         "optim": {"name": "adamw"},
         "parallel": {"use_gpu": True, "num_workers": 1},
         "data": {"name": "synthetic"},
-        "train": {"batch_size": args.batch_size, "steps": args.steps, "warmup_steps": args.warmup,
-                  "report_every": args.steps},
+        "train": {"batch_size": options.batch_size, "steps": options.steps, "warmup_steps": options.warmup,
+                  "report_every": options.steps},
         # The compile rung (compiling costs a minute or so) with --compile only.
         "sweep": {"mode": "ladder", "ladder_image_size": ladder_image_size,
-                  "rungs": [r for r in LADDER_RUNGS if r != "compile" or getattr(args, "compile", False)]},
+                  "rungs": [r for r in LADDER_RUNGS if r != "compile" or options.compile]},
     })
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from rayvit.config_schema import Study
 from rayvit.errors import ConfigError
 from rayvit.projection import cluster_file, planner
-from rayvit.projection.cli import check_chips, model_name
+from rayvit.projection.project_output import check_chips, model_name
 from rayvit.projection.hardware_profile import HardwareProfile
 from rayvit.projection.profiles import get_profile
 from rayvit.projection.rates import load_measured

@@ -17,15 +17,11 @@ s``: the first round's; every round's is in the JSON). Each round compiles from 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from typing import Optional
 
-import torch
-
 from rayvit.errors import CompareFailed
-from rayvit.config import as_config, load_config
+from rayvit.config import as_config
 from rayvit.config_schema import Config
 from rayvit.errors import ConfigError
 from rayvit.process_state import keeps_process_state
@@ -33,13 +29,6 @@ from rayvit.results import Comparison, RunResult
 from rayvit.stats import Estimate
 from rayvit.worker.rounds import measure_rounds
 
-EXAMPLES = """examples:
-  rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8
-  rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8 \\
-      --compare optim.impl=loop,foreach --compare precision.mode=fp32,amp
-  rayvit bench --config experiments/configs/cpu_default.yaml --compare model.layout=batch_first,batch_second
-  rayvit bench model.name=vit_s16 model.image_size=224 train.batch_size=8 --compare model.compile=false,true
-"""
 
 
 def parse_compare(spec: str) -> tuple[str, list[str]]:
@@ -49,6 +38,22 @@ def parse_compare(spec: str) -> tuple[str, list[str]]:
         raise ConfigError(f"--compare {spec!r} must look like section.key=value1,value2[,...]")
     return key.strip(), options
 
+
+
+def check_bench(cfg: Config, groups: list[tuple[str, list[str]] | None], warmup: int) -> None:
+    """Raise :class:`ConfigError` before anything runs when a variant of ``groups`` (``parse_compare``'s
+    (key, values), or None for ``cfg`` as it is) is not a valid config, or compiles without a warm-up step to
+    keep compiling out of the timing."""
+    for group in groups:
+        if group is not None:
+            for value in group[1]:
+                variant = cfg.replace([f"{group[0]}={value}"])   # validate every variant before any runs
+                if variant.model.compile and warmup < 1:
+                    raise ConfigError(f"{group[0]}={value} compiles in its first step: it needs --warmup >= 1 "
+                                      "to keep compiling out of the timing")
+    if cfg.model.compile and warmup < 1:
+        raise ConfigError("model.compile=true compiles in its first step: it needs --warmup >= 1 to keep "
+                          "compiling out of the timing")
 
 @keeps_process_state
 def compare_configs(cfgs: list[Config | dict], rounds: int, *, on_step=None, on_round=None) -> list[RunResult]:
@@ -155,67 +160,3 @@ def format_rows(rows: list[dict]) -> str:
                          + (f" ({min(later):.1f}-{max(later):.1f} s in later rounds)" if later else "")
                          + ", in warm-up steps outside the timing")
     return "\n".join(lines)
-
-
-def ab_parser(prog: str, description: str, examples: str, config_help: str) -> argparse.ArgumentParser:
-    """The options every side-by-side timing command takes: overrides, --config, --compare, --rounds."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=examples,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    parser.add_argument("--config", help=config_help)
-    parser.add_argument("--compare", action="append", default=[], metavar="KEY=V1,V2",
-                        help="variants to time side by side; repeat for several groups")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    return parser
-
-
-def main(argv: list[str] | None = None, prog: str = "rayvit bench") -> int:
-    parser = ab_parser(prog, __doc__, EXAMPLES, "YAML config file (defaults: a tiny ViT on CPU)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round (default 3)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first (default 2)")
-    parser.add_argument("--json", help="also write the results to this JSON file")
-    args = parser.parse_args(argv)
-    if args.warmup < 0 or args.steps < 1 or args.rounds < 1:
-        print("error: --warmup must be >= 0, --steps and --rounds >= 1", file=sys.stderr)
-        return 2
-    try:
-        # The benchmark measures the step itself: synthetic data, never a dataset's decode cost.
-        cfg = load_config(args.config, ["data.name=synthetic", *args.overrides])
-        groups = [parse_compare(c) for c in args.compare] or [None]
-        for group in groups:
-            if group is not None:
-                for value in group[1]:
-                    variant = cfg.replace([f"{group[0]}={value}"])   # validate every variant before any runs
-                    if variant.model.compile and args.warmup < 1:
-                        raise ConfigError(f"{group[0]}={value} compiles in its first step: it needs --warmup >= 1 "
-                                          "to keep compiling out of the timing")
-        if cfg.model.compile and args.warmup < 1:
-            raise ConfigError("model.compile=true compiles in its first step: it needs --warmup >= 1 to keep "
-                              "compiling out of the timing")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    m, t = cfg.model, cfg.train
-    print(f"rayvit bench: {m.name} {m.image_size}px batch {t.batch_size}, {cfg.precision.mode}/"
-          f"{cfg.precision.dtype}, {cfg.optim.name}-{cfg.optim.impl}, {cfg.parallel.cpus_per_worker} "
-          f"thread(s), torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps after "
-          f"{args.warmup} warm-up", file=sys.stderr)
-    results = []
-    for group in groups:
-        try:
-            variants = run_group(bench_config(cfg, args.steps, args.warmup), group, args.rounds)
-        except CompareFailed as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        rows = report(variants)
-        print(format_rows(rows))
-        print()
-        results.append({"compare": group[0] if group else None, "rows": rows})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg.to_dict(), "groups": results}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,30 +13,18 @@ the input needs and whether a node has them.
 
 from __future__ import annotations
 
-import json
 import platform
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from rayvit.config import load_config
 from rayvit.config_schema import Config
 from rayvit.errors import ConfigError
 from rayvit.data.images import ImageTransform, transform_into
-from rayvit.worker.bench import ab_parser, parse_compare
-
-EXAMPLES = """examples:
-  rayvit bench-data data.path=/data/imagenet/train model.image_size=224
-  rayvit bench-data --config experiments/configs/study_a100.yaml data.name=parquet data.path=s3://bucket/train \\
-      --json data_rate.json && rayvit project --config experiments/configs/study_a100.yaml --data-rate data_rate.json
-  rayvit bench-data data.path=/data/train --compare data.cpu_decoder=pil,simplejpeg --compare data.augment=none,randaugment
-  rayvit bench-data data.path=/data/train --ray-cpus 1 2 4 --json data_rate.json
-"""
 
 
 def cpu_description() -> str:
@@ -172,54 +160,3 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['variant']:<40} {r['transform']:<9} {r['images_per_sec_per_core']:>10.1f} "
                      f"{r['low']:>7.1f}-{r['high']:<7.1f} {1e3 / r['images_per_sec_per_core']:>7.3f}")
     return "\n".join(lines)
-
-
-def main(argv: Optional[list[str]] = None, prog: str = "rayvit bench-data") -> int:
-    parser = ab_parser(prog, __doc__, EXAMPLES, "YAML config file (data.path: your parquet file or folder)")
-    parser.add_argument("--images", type=int, default=256, help="rows read and decoded per round (default 256)")
-    parser.add_argument("--json", help="write the results here (rayvit project --data-rate reads it)")
-    parser.add_argument("--ray-cpus", type=int, nargs="+", metavar="N",
-                        help="also time Ray Data's own read and decode of the train split with each N CPUs (a local "
-                             "Ray instance; alternating rounds); --json then carries it and rayvit project uses it")
-    parser.add_argument("--ray-images", type=int, default=2048,
-                        help="rows read per --ray-cpus round (default 2048, or the split's)")
-    args = parser.parse_args(argv)
-    if args.images < 1 or args.rounds < 1 or args.ray_images < 2 or min(args.ray_cpus or [1]) < 1:
-        print("error: --images, --rounds and --ray-cpus must be >= 1, --ray-images >= 2", file=sys.stderr)
-        return 2
-    threads = torch.get_num_threads()
-    try:
-        cfg = load_config(args.config, ["data.name=parquet", *args.overrides])
-        groups = [parse_compare(c) for c in args.compare] or [None]
-        images = read_images(cfg, args.images)
-        torch.set_num_threads(1)       # one core: the figure is per core
-        print(f"{prog}: {len(images)} images of data.path={cfg.data.path} at {cfg.model.image_size} px, "
-              f"{args.rounds} rounds, one thread on {cpu_description()}", file=sys.stderr)
-        results = []
-        for group in groups:
-            rows = measure(cfg, images, group, args.rounds)
-            print(format_rows(rows) + "\n")
-            results.append({"compare": group[0] if group else None, "rows": rows})
-        ray_rows = None
-        if args.ray_cpus:
-            torch.set_num_threads(threads)
-            print(f"{prog}: Ray Data's read and decode of the train split, up to {args.ray_images} rows per round, "
-                  f"with {', '.join(map(str, args.ray_cpus))} CPUs", file=sys.stderr)
-            ray_rows = ray_data_rates(cfg, args.ray_cpus, args.rounds, args.ray_images)
-            print(format_ray_rows(ray_rows) + "\n")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        torch.set_num_threads(threads)
-    if args.json:
-        first = results[0]["rows"]
-        with open(args.json, "w") as f:
-            json.dump({"config": cfg.to_dict(), "image_size": cfg.model.image_size, "cpu": cpu_description(),
-                       "images": len(images), "train": first[0], "val": first[1], "groups": results,
-                       "ray_data": ray_rows}, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

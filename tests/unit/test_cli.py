@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,9 @@ def test_rayvit_lists_its_commands_and_refuses_unknown_ones(capsys):
     ("search", ["search.max_accuracy_drop", "--output", "--verbose"]),
     ("bench", ["--compare"]),
     ("gpu-check", ["--quick", "--list"]),
+    ("bench-data", ["--ray-cpus", "--data-rate"]),
+    ("to-parquet", ["SRC", "--rows-per-shard"]),
+    ("make-photos", ["--per-class", "scikit-image"]),
 ])
 def test_every_command_explains_itself(command, words, capsys):
     with pytest.raises(SystemExit) as done:
@@ -70,3 +74,28 @@ def test_bench_measures_each_variants_own_peak_memory(tmp_path):
     large, small = rows["train.batch_size=512"], rows["train.batch_size=8"]
     assert small["peak_memory_mb"] < large["peak_memory_mb"] - 20
     assert small["model_state_mb"] == large["model_state_mb"] > 0
+
+
+def test_sweep_project_is_gone_and_says_where_it_went(capsys):
+    """`rayvit sweep --project` duplicated `rayvit project`: refused as argparse refuses (status 2), with
+    the command that does it, whatever options come with it; experiments/scaling.py likewise."""
+    for argv in (["sweep", "--project"], ["sweep", "--project", "--hardware", "h100-sxm", "--config", "study_a100"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert "--project was removed" in err and "`rayvit project`" in err
+    proc = subprocess.run([sys.executable, "experiments/scaling.py", "--project"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2 and "rayvit project" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_make_photos_writes_the_sample_photographs(tmp_path, capsys):
+    """`rayvit make-photos` (rayvit.datasets.make_photos) writes per-class JPEGs and says so; bad input is
+    one line and status 2."""
+    pytest.importorskip("skimage")
+    assert main(["make-photos", str(tmp_path / "photos"), "--per-class", "1"]) == 0
+    assert "wrote 8 JPEGs of 8 classes" in capsys.readouterr().out
+    assert len(list((tmp_path / "photos").rglob("*.jpg"))) == 8
+    assert main(["make-photos", str(tmp_path / "none"), "--per-class", "0"]) == 2
+    assert "--per-class must be at least 1" in capsys.readouterr().err

@@ -85,3 +85,28 @@ def test_no_module_imports_a_private_name_of_another():
                 found += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert found == []
+
+
+def test_no_file_name_is_used_twice_in_the_package():
+    """A file's name says what it holds, once: two ``cli.py`` or ``checkpoint.py`` send a reader (and a
+    traceback) to the wrong one. Only packages' ``__init__.py`` repeat."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def test_only_the_command_line_package_parses_command_lines():
+    """argparse is imported under rayvit/cli/ and nowhere else in rayvit: each command's options live in
+    one place, and the layers below take typed arguments."""
+    found = []
+    for path, text in _modules():
+        if path.is_relative_to(PACKAGE / "cli"):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(REPO)}:{node.lineno}" for n in names if n.split(".")[0] == "argparse"]
+    assert found == []
+    assert any("argparse" in text for path, text in _modules() if path.is_relative_to(PACKAGE / "cli"))

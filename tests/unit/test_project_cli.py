@@ -73,7 +73,7 @@ def test_scaling_efficiency_states_its_reference_and_vs_ddp_is_blank_where_ddp_d
 
 def test_above_100_percent_scaling_is_explained():
     from rayvit.config import load_config
-    from rayvit.projection.cli import footnotes
+    from rayvit.projection.project_output import footnotes
     from rayvit.projection.performance import project_grid
     from rayvit.projection.profiles import get_profile
 

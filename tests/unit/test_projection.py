@@ -485,7 +485,7 @@ def test_memory_fit_and_largest_batch():
 
 
 def test_cli_projects_the_study_without_ray(tmp_path):
-    cmd = [sys.executable, str(ROOT / "experiments/scaling.py"), "--project", "--config", str(STUDY),
+    cmd = [sys.executable, "-m", "rayvit", "project", "--config", str(STUDY),
            "--hardware", "a100-40gb", "h100-sxm", "--chips", "8", "64", "--out-dir", str(tmp_path),
            "--set", "train.batch_size=96"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
@@ -506,7 +506,7 @@ def test_cli_projects_the_study_without_ray(tmp_path):
 
 
 def test_cli_help_explains_projection():
-    done = subprocess.run([sys.executable, str(ROOT / "experiments/scaling.py"), "--help"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "rayvit", "project", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert "--project" in done.stdout and "--hardware" in done.stdout and "a100-40gb" in done.stdout
 

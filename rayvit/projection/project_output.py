@@ -1,4 +1,5 @@
-"""``rayvit project`` (``experiments/scaling.py --project``): the projection table and figure, without Ray.
+"""What ``rayvit project`` prints and draws: a sweep's projection table and figure, without Ray (its command
+line is :mod:`rayvit.cli.projection_commands`).
 
 Everything a user gives is checked before anything is projected (chip counts, the ``--measured`` file,
 the profiles), and files go where the user says or under ``$RAYVIT_HOME/projections``, never over an
@@ -33,6 +34,13 @@ def load(config: str, overrides: list[str]) -> Study:
     """The study to project: as ``rayvit sweep`` reads it, except that ``sweep.strategies`` need not name
     DDP (the projection compares every strategy with DDP and adds it itself)."""
     return load_study(config, overrides, baseline_required=False)
+
+
+def default_hardware(study: Study) -> list[str]:
+    """``sweep.hardware`` where the config names one, else a100-40gb on GPU configs and cpu otherwise."""
+    if study.sweep.hardware:
+        return [study.sweep.hardware]
+    return ["a100-40gb"] if study.run.parallel.use_gpu else ["cpu"]
 
 
 def check_chips(chips: Optional[list[int]]) -> None:
@@ -192,4 +200,4 @@ def _figure(cfg: Config, points: list[Projection], profile: HardwareProfile, fol
     return render.projection_figure(points, path, title=title, caption_rows=conditions(cfg, profile.name))
 
 
-__all__ = ["run", "run_ladder", "load", "variants", "unique_path", "check_chips", "STUDY_NOTE"]
+__all__ = ["run", "run_ladder", "load", "default_hardware", "variants", "unique_path", "check_chips", "STUDY_NOTE"]
