@@ -3,6 +3,7 @@ one object per parallel strategy. ``train(cfg)`` runs a whole run in this proces
 worker's state and its training step."""
 
 from rayvit.errors import DivergedError, InjectedFault
-from rayvit.worker.loop import Session, train
+from rayvit.worker.loop import train
+from rayvit.worker.session import Session
 
 __all__ = ["DivergedError", "InjectedFault", "Session", "train"]
