@@ -88,3 +88,15 @@ def test_no_module_imports_a_private_name_of_another():
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert found == []
 
+
+MAX_CLASS_LINES = 200
+
+
+def test_classes_stay_within_their_size_limit():
+    too_long = []
+    for path, text in _modules():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: "
+                                f"{node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []
