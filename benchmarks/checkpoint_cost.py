@@ -1,9 +1,9 @@
 """What checkpoints add to a run: the final model's save, and the wait for Ray Train to commit a checkpoint.
 
 ``final``: two gloo ranks (no Ray) train a few steps of each model and strategy, then, in alternating
-rounds, write the model alone (``Session.save_model``: what a ``make_trainer`` run's final checkpoint
+rounds, write the model alone (``checkpoint_io.save_model``: what a ``make_trainer`` run's final checkpoint
 adds by default; FSDP2 gathers it onto rank 0 first) and the full resumable state
-(``Session.save_checkpoint``: what ``train.checkpoint_every`` writes). Per case it prints the medians of
+(``checkpoint_io.save_state``: what ``train.checkpoint_every`` writes). Per case it prints the medians of
 each, in ms and in timed steps of that run, and the bytes written.
 
 ``commit``: a local Ray instance, two workers of one CPU each; a train function reports a checkpoint
@@ -53,7 +53,7 @@ def _timed(fn, folder: str) -> tuple[float, int]:
 
 def _case(model: str, strategy: str, rounds: int, scratch: str) -> dict:
     from rayvit.config import load_config
-    from rayvit.worker import Session
+    from rayvit.worker import Session, checkpoint_io
 
     name, overrides = MODELS[model]
     cfg = load_config(name, [*overrides, "parallel.num_workers=2", f"parallel.strategy={strategy}",
@@ -69,13 +69,13 @@ def _case(model: str, strategy: str, rounds: int, scratch: str) -> dict:
             order = ("model", "full") if r % 2 == 0 else ("full", "model")
             for what in order:
                 folder = os.path.join(scratch, f"{model}-{strategy}-{what}-{r}-rank{session.rank}")
-                save = session.save_model if what == "model" else session.save_checkpoint
-                seconds, size = _timed(save, folder)
+                save = checkpoint_io.save_model if what == "model" else checkpoint_io.save_state
+                seconds, size = _timed(lambda f, save=save: save(session, f), folder)
                 times[what].append(seconds)
                 total = torch.tensor([size], dtype=torch.float64)
                 dist.all_reduce(total)
                 written[what] = total.item()
-        step = statistics.median(session.step_times)
+        step = statistics.median(session.clock.step_times)
     finally:
         session.close()
     return {"step": step, **{f"{k}_s": statistics.median(v) for k, v in times.items()},

@@ -45,20 +45,20 @@ def _rank(rank: int, folder: str, args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for name in order:
-            loop.agree.nonfinite_ranks = variants[name]
+            agree.nonfinite_ranks = variants[name]   # the session looks it up at every step
             walls: list[float] = []
             last = [0.0]
 
             def clock(session, _walls=walls, _last=last):
                 now = time.perf_counter()
-                if session.steps_this_attempt > cfg.train.warmup_steps:
+                if session.clock.steps > cfg.train.warmup_steps:
                     _walls.append(now - _last[0])
                 _last[0] = now
 
             result = loop.train(cfg, on_step=clock)
             results[name]["step"].append(statistics.median(result.step_times))
             results[name]["wall"].append(statistics.median(walls))
-    loop.agree.nonfinite_ranks = agree.nonfinite_ranks
+    agree.nonfinite_ranks = variants["all-reduced check"]
     if rank == 0:
         base = {k: statistics.median(v) for k, v in results["local check"].items()}
         print(f"{args.rounds} rounds of {args.steps - 3} timed steps, 2 gloo ranks, one thread each")

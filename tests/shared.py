@@ -116,11 +116,12 @@ def train_steps(session, steps: int) -> None:
 def checkpointed_after(cfg, steps: int, folder, **session_kwargs) -> None:
     """A session of ``cfg`` trained ``steps`` steps, its resumable checkpoint written to ``folder``, closed."""
     from rayvit.worker import Session
+    from rayvit.worker.checkpoint_io import save_state
 
     session = Session(cfg, **session_kwargs)
     try:
         train_steps(session, steps)
-        session.save_checkpoint(str(folder))
+        save_state(session, str(folder))
     finally:
         session.close()
 

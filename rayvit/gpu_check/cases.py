@@ -204,6 +204,7 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
     import torch
 
     from rayvit.training.hardware import dtype_name
+    from rayvit.worker import run_figures
 
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     expected = torch.float32 if reduce == "fp32" else half
@@ -239,7 +240,7 @@ def check_reduce_dtype(device, strategy: str, mode: str, dtype: str, reduce: str
     finally:
         setattr(module, name, real)
     try:
-        recorded = session.conditions("check")["reduce_dtype"]
+        recorded = run_figures.conditions(session, "check")["reduce_dtype"]
         facts = f"reduced in {dtype_names(set(sent))}"
         # fp32 LayerNorm gradients (mixed) always travel in fp32 beside the half ones.
         ok = expected in sent and set(sent) <= {expected, torch.float32}

@@ -8,7 +8,7 @@ from rayvit.gpu_check.cases import small_config
 
 def check_final_model(device, strategy: str, mode: str, dtype: str) -> str:
     """After 4 steps on digits and the final evaluation (a forward without a backward, which leaves
-    FairScale's root gathered), the model alone (``Session.save_model``, what a ``make_trainer`` run's
+    FairScale's root gathered), the model alone (``checkpoint_io.save_model``, what a ``make_trainer`` run's
     final checkpoint holds), read back by ``load_checkpoint``, equals the strategy's own full state: for
     FairScale FSDP its flat shards consolidated offline against ``state_dict()`` gathered by FairScale
     itself (fp32 under mixed precision); for FSDP2 the gather onto rank 0 against its DTensors' full
@@ -18,7 +18,7 @@ def check_final_model(device, strategy: str, mode: str, dtype: str) -> str:
     import torch
 
     from rayvit.worker import Session
-    from rayvit.worker.checkpoint_io import load_checkpoint
+    from rayvit.worker.checkpoint_io import load_checkpoint, save_model
 
     cfg = small_config({"parallel.strategy": strategy, "precision.mode": mode, "precision.dtype": dtype,
                         "data.name": "digits"}, steps=4)
@@ -29,7 +29,7 @@ def check_final_model(device, strategy: str, mode: str, dtype: str) -> str:
             session.train_step()
         session.evaluate()
         with tempfile.TemporaryDirectory() as folder:
-            session.save_model(folder)
+            save_model(session, folder)
             loaded = load_checkpoint(folder).model.state_dict()
         expected = {_plain(k): v.detach().float().cpu() for k, v in _full_state(session).items()}
     finally:

@@ -37,7 +37,7 @@ from rayvit.errors import ConfigError
 from rayvit.launch.payload import GroupPayload, Payload, RunPayload
 from rayvit.results import RunResult
 from rayvit.worker import Session, train
-from rayvit.worker.checkpoint_io import resumable
+from rayvit.worker.checkpoint_io import resumable, save_model, save_state
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +140,9 @@ def _train_one(cfg: Config, payload: RunPayload, device: torch.device, shards: O
             return
         with tempfile.TemporaryDirectory() as tmp:
             if t.checkpoint_every:
-                session.save_checkpoint(tmp)           # what a run continues from
+                save_state(session, tmp)               # what a run continues from
             elif final and final_model:
-                session.save_model(tmp)                # the model alone
+                save_model(session, tmp)               # the model alone
             if final and session.rank == 0:
                 # Ray Train builds Result.metrics from the last report that carried a checkpoint: the
                 # final one always does, with the summary in it, so result.metrics holds the figures.

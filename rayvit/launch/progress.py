@@ -46,7 +46,7 @@ class StepPoster:
         if session.rank != 0 or (time.monotonic() < self._next and not last):
             return
         self._next = time.monotonic() + self.interval_s
-        window = session.step_times[-10:]
+        window = session.clock.step_times[-10:]
         self.board.post.remote({
             "kind": "step", **where,
             "step": session.step, "steps": session.cfg.train.steps, "loss": session.history[-1]["loss"],

@@ -2,7 +2,7 @@
 
 Model state follows what each library does, tensor by tensor (``shapes.vit_tensors``): each strategy says
 what a rank holds (``Strategy.rank_state``, written beside each in :mod:`rayvit.strategies`).
-``model_state`` returns the largest rank, as ``Session.summary`` reports (max over ranks).
+``model_state`` returns the largest rank, as a run's summary reports (``run_figures.summary``: max over ranks).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from typing import Any, Iterable, Mapping, Optional
 from rayvit.errors import TrackingError
 from rayvit.formats import number as _number
 from rayvit.record import views
-from rayvit.record.views import CURVE_X, TAG_KIND, TAG_SWEEP, now_ms, quote
+from rayvit.record.run_writer import RunWriter
+from rayvit.record.views import CURVE_X, TAG_KIND, TAG_SWEEP, quote
 from rayvit.results import RunResult
 
 # Tags that make runs filterable in the MLflow UI ("tags.rayvit.kind = 'point'").
@@ -170,11 +171,6 @@ def environment_tags() -> dict[str, str]:
 # Small helpers over the client
 
 
-def _param_value(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-    return text[:6000]  # MLflow's parameter value limit
-
-
 def curve_view_link(uri: str, experiment: str, sweep: str) -> Optional[str]:
     """The browser link to sweep ``sweep``'s chart view in the MLflow UI, once it has one (else None)."""
     try:
@@ -183,29 +179,29 @@ def curve_view_link(uri: str, experiment: str, sweep: str) -> Optional[str]:
         return None
 
 
-class SweepTracker:
-    """One sweep's MLflow records: its parent run, one child run per point, the curves.
+class SweepTracker(RunWriter):
+    """One sweep's MLflow records: its parent run, one child run per point, the curves (written as a
+    :class:`~rayvit.record.run_writer.RunWriter` writes any run).
 
     Resuming is by name: a second tracker with the same experiment and sweep name adopts the
     existing parent run and reports which points already finished (:meth:`completed`).
     """
 
     def __init__(self, uri: str, experiment: str, sweep: str):
+        client = _client(uri)
+        super().__init__(client, get_or_create_experiment(client, uri, experiment))
         self.uri = uri
         self.experiment = experiment
         self.sweep = sweep
-        self.client = _client(uri)
-        self.experiment_id = get_or_create_experiment(self.client, uri, experiment)
         self.parent_id: Optional[str] = None
         self.resumed = False
         self._env = environment_tags()
-        self._logged: dict[tuple[str, str], set[tuple[int, float]]] = {}
 
     # -- parent -------------------------------------------------------------------------------------
 
     def find_parent(self) -> Optional[str]:
         """The parent run of an earlier sweep of the same name, if any (changes nothing)."""
-        found = self._search(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'",
+        found = self.search_runs(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and tags.`{TAG_KIND}` = 'sweep'",
                              order_by=["attributes.start_time ASC"])
         if found:
             self.parent_id = found[0].info.run_id
@@ -224,7 +220,7 @@ class SweepTracker:
             self.parent_id = run.info.run_id
             # Params are write-once in MLflow: only a new parent gets them; a resumed sweep keeps its
             # first values and records the config it was resumed with as an artifact instead.
-            self._log(self.parent_id, params=params)
+            self.log(self.parent_id, params=params)
         self.client.log_text(self.parent_id, config_yaml, "config.yaml")
         return self.parent_id
 
@@ -232,10 +228,7 @@ class SweepTracker:
         self.client.set_terminated(self.parent_id, status=status)
 
     def set_parent_tags(self, tags: Mapping[str, Any]) -> None:
-        self._log(self.parent_id, tags=tags)
-
-    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
-        self._log(run_id, tags=tags)
+        self.log(self.parent_id, tags=tags)
 
     def log_parent_file(self, path: str | os.PathLike) -> None:
         self.client.log_artifact(self.parent_id, str(path))
@@ -246,7 +239,7 @@ class SweepTracker:
         """``{point key: (run id, RunResult, config hash)}`` of this sweep's finished child runs."""
         if self.parent_id is None:
             return {}
-        runs = self._search(f"tags.`{TAG_PARENT}` = {quote(self.parent_id)} and "
+        runs = self.search_runs(f"tags.`{TAG_PARENT}` = {quote(self.parent_id)} and "
                             f"tags.`{TAG_KIND}` = 'point' and attributes.status = 'FINISHED'",
                             order_by=["attributes.start_time DESC"])
         done: dict[str, tuple[str, RunResult, str]] = {}
@@ -266,7 +259,7 @@ class SweepTracker:
         node): they never finish, and the rerun measures their points again. Returns their point keys."""
         if self.parent_id is None:
             return []
-        runs = self._search(f"tags.`{TAG_PARENT}` = {quote(self.parent_id)} and "
+        runs = self.search_runs(f"tags.`{TAG_PARENT}` = {quote(self.parent_id)} and "
                             f"tags.`{TAG_KIND}` = 'point' and attributes.status = 'RUNNING'")
         for run in runs:
             self.fail_point(run.info.run_id, "the driver stopped before this point finished; the rerun of the "
@@ -288,7 +281,7 @@ class SweepTracker:
             self.experiment_id, run_name=name,
             tags={TAG_PARENT: self.parent_id, TAG_SWEEP: self.sweep, TAG_KIND: "point", TAG_POINT: key,
                   TAG_HASH: config_hash, **self._env, **{k: str(v) for k, v in tags.items()}})
-        self._log(run.info.run_id, params=params)
+        self.log(run.info.run_id, params=params)
         return run.info.run_id
 
     def finish_point(self, run_id: str, result: RunResult, step: int) -> None:
@@ -297,13 +290,13 @@ class SweepTracker:
         Per-rank figures (``result.per_rank``) go in as ``<key>_by_rank`` with step = rank: one chart of
         the figure against rank in the run's page.
         """
-        self._log(run_id, tags={k: v for k, v in result.conditions.items() if v is not None})
+        self.log(run_id, tags={k: v for k, v in result.conditions.items() if v is not None})
         self.log_metrics(run_id, result.metrics, step)
-        self._log_history(run_id, [(f"{key}_by_rank", value, rank) for key, values in result.per_rank.items()
+        self.log_history(run_id, [(f"{key}_by_rank", value, rank) for key, values in result.per_rank.items()
                                    for rank, value in enumerate(values)])
         history = [(key, entry[key], int(entry["step"])) for entry in result.history + result.evals
                    for key in entry if key != "step"]
-        self._log_history(run_id, history)
+        self.log_history(run_id, history)
         if result.restarts:
             self.log_metrics(run_id, {"restarts": result.restarts}, step)
         self.client.log_text(run_id, json.dumps(result.to_dict(), indent=1, default=str), RESULT_ARTIFACT)
@@ -311,48 +304,11 @@ class SweepTracker:
 
     def fail_point(self, run_id: str, error: str, status: str = "FAILED") -> None:
         """Mark a child run failed (or KILLED), keeping the error in a tag and in full as an artifact."""
-        self._log(run_id, tags={TAG_ERROR: error[-7900:] or "(no message)"})
+        self.log(run_id, tags={TAG_ERROR: error[-7900:] or "(no message)"})
         self.client.log_text(run_id, error, ERROR_ARTIFACT)
         self.client.set_terminated(run_id, status=status)
 
-    # -- metrics --------------------------------------------------------------------------------------
-
-    def log_metrics(self, run_id: str, metrics: Mapping[str, Any], step: int) -> int:
-        """Log the finite numbers in ``metrics`` at ``step``, skipping values already logged there.
-
-        A resumed sweep recomputes its curves; without the check each rerun would add duplicate points.
-        """
-        from mlflow.entities import Metric
-
-        now = now_ms()
-        batch = []
-        for key, value in metrics.items():
-            value = _number(value)
-            if value is None:
-                continue
-            seen = self._history(run_id, key)
-            if (step, value) in seen:
-                continue
-            seen.add((step, value))
-            batch.append(Metric(key, value, now, step))
-        if batch:
-            self.client.log_batch(run_id, metrics=batch)
-        return len(batch)
-
-    def _history(self, run_id: str, key: str) -> set[tuple[int, float]]:
-        if (run_id, key) not in self._logged:
-            self._logged[(run_id, key)] = {(m.step, m.value)
-                                           for m in self.client.get_metric_history(run_id, key)}
-        return self._logged[(run_id, key)]
-
-    def _log_history(self, run_id: str, entries: Iterable[tuple[str, Any, int]]) -> None:
-        from mlflow.entities import Metric
-
-        now = now_ms()
-        batch = [Metric(key, v, now, step) for key, value, step in entries
-                 if (v := _number(value)) is not None]
-        if batch:
-            self.client.log_batch(run_id, metrics=batch)
+    # -- curves ---------------------------------------------------------------------------------------
 
     def log_curve_run(self, series: str, curves: Mapping[str, Mapping[int, Any]],
                       tags: Mapping[str, Any]) -> str:
@@ -365,7 +321,7 @@ class SweepTracker:
         against chips.
         """
         # Also finds the nested curve runs earlier versions made (they carry the sweep tag too).
-        for old in self._search(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and "
+        for old in self.search_runs(f"tags.`{TAG_SWEEP}` = {quote(self.sweep)} and "
                                 f"tags.`{TAG_KIND}` = 'curve' and tags.series = {quote(series)}"):
             self.client.delete_run(old.info.run_id)
         from rayvit.record.plots import strategy_colour  # the PNG's colour of each strategy, in the UI too
@@ -380,7 +336,7 @@ class SweepTracker:
                    for chips, value in sorted(points.items())]
         # The x-axis of the saved view's charts: "chips" at step = chips.
         chips = sorted({step for key, value, step in entries if _number(value) is not None})
-        self._log_history(run.info.run_id, entries + [(CURVE_X, n, n) for n in chips])
+        self.log_history(run.info.run_id, entries + [(CURVE_X, n, n) for n in chips])
         self.client.set_terminated(run.info.run_id, status="FINISHED")
         return run.info.run_id
 
@@ -388,23 +344,3 @@ class SweepTracker:
         """Save (or refresh) this sweep's chart view of the experiment's Runs page and link it in the
         experiment's description (:func:`rayvit.record.views.save_curve_view`); returns its id."""
         return views.save_curve_view(self.client, self.experiment_id, self.sweep, keys, bands)
-
-    # -- internals ------------------------------------------------------------------------------------
-
-    def _log(self, run_id: str, params: Mapping[str, Any] = {}, tags: Mapping[str, Any] = {}) -> None:
-        from mlflow.entities import Param, RunTag
-
-        self.client.log_batch(
-            run_id,
-            params=[Param(k, _param_value(v)) for k, v in params.items()],
-            tags=[RunTag(k, str(v)[:8000]) for k, v in tags.items()])
-
-    def _search(self, filter_string: str, order_by: Optional[list[str]] = None) -> list:
-        runs, token = [], None
-        while True:
-            page = self.client.search_runs([self.experiment_id], filter_string, order_by=order_by,
-                                           max_results=1000, page_token=token)
-            runs.extend(page)
-            token = page.token
-            if not token:
-                return runs

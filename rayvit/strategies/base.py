@@ -9,7 +9,7 @@ strategy module holds both halves:
   figures (label, variants, colour) ask of it. No torch: ``rayvit project``, a dry run and a config
   check import these modules without it.
 - its runtime half, a :class:`Strategy` subclass of its cost half: how it wraps, steps and saves the model
-  for the worker loop (:mod:`rayvit.worker.loop`), which calls one object through this interface and
+  for the worker's session (:mod:`rayvit.worker.session`), which calls one object through this interface and
   never asks which strategy it holds. torch (and the library's own modules) are imported by the methods
   that run, so that importing the module stays torch-free.
 

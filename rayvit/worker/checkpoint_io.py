@@ -22,7 +22,7 @@ from torch import nn
 from rayvit.training.checkpoint_layout import FULL_STATE, META, SHARDED_DIR, load_full_state, read_meta, write_meta
 
 if TYPE_CHECKING:
-    from rayvit.worker.loop import Session
+    from rayvit.worker.session import Session
 
 
 def _progress(session: "Session") -> dict[str, Any]:

@@ -10,7 +10,7 @@ from rayvit.errors import InjectedFault
 
 if TYPE_CHECKING:
     from rayvit.config_schema import TrainConfig
-    from rayvit.worker.loop import Session
+    from rayvit.worker.session import Session
 
 
 def fault_injector(t: "TrainConfig") -> Optional[Callable[["Session"], None]]:

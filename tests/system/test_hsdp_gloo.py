@@ -125,6 +125,7 @@ def test_hsdp_sends_what_its_cost_half_counts(tmp_path):
 def _resumed(rank: int, folder: str, shard: int) -> dict:
     """Two steps, a checkpoint, a third step; then a new session from the checkpoint and its third step."""
     from rayvit.worker import Session
+    from rayvit.worker.checkpoint_io import resume, save_state
 
     overrides = TINY + ["parallel.strategy=hsdp", f"parallel.shard_size={shard}"]
     session = Session(load_config(overrides=overrides))
@@ -132,14 +133,14 @@ def _resumed(rank: int, folder: str, shard: int) -> dict:
         for _ in range(2):
             session.clear_grads()
             session.train_step()
-        session.save_checkpoint(folder)
+        save_state(session, folder)
         session.clear_grads()
         straight = session.train_step()
     finally:
         session.close()
     again = Session(load_config(overrides=overrides))
     try:
-        again.load_checkpoint(folder)
+        resume(again, folder)
         again.clear_grads()
         resumed = again.train_step()
         params = {k: _full(v) for k, v in again.strategy.unwrap(again.model).named_parameters()}

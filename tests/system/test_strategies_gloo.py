@@ -413,6 +413,7 @@ def _final_models(rank: int, folder: str) -> list[list[str]]:
     import os
 
     from rayvit.worker import Session
+    from rayvit.worker.checkpoint_io import save_model, save_state
 
     written = []
     for i, (strategy, overrides) in enumerate(FINAL_MODEL_CASES):
@@ -423,8 +424,8 @@ def _final_models(rank: int, folder: str) -> list[list[str]]:
                 session.clear_grads()
                 session.train_step()
             session.evaluate()
-            session.save_model(os.path.join(folder, str(i), f"model{rank}"))
-            session.save_checkpoint(os.path.join(folder, str(i), "full"))
+            save_model(session, os.path.join(folder, str(i), f"model{rank}"))
+            save_state(session, os.path.join(folder, str(i), "full"))
         finally:
             session.close()
         mine = os.path.join(folder, str(i), f"model{rank}")

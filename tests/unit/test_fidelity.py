@@ -16,7 +16,7 @@ from rayvit.errors import ConfigError
 from rayvit.models import build_model
 from rayvit.studies.plan import plan
 from rayvit.training import hardware
-from rayvit.worker import Session
+from rayvit.worker import Session, run_figures
 from rayvit.training.optim import build_optimizer, param_groups
 from rayvit.training.precision import Precision
 from rayvit.strategies import Strategy, ensure_process_group, strategy_class
@@ -92,7 +92,7 @@ def test_mixed_keeps_layer_norm_fp32_while_matmuls_run_in_half(strategy):
             # Only the half parameters have an fp32 master copy; the fp32 norms are optimized directly.
             half = [p for p in inner.parameters() if p.dtype == torch.bfloat16]
             assert len(session.masters.masters) == len(half) > 0
-        assert session.conditions("test")["layer_norm_fp32"] is True
+        assert run_figures.conditions(session, "test")["layer_norm_fp32"] is True
     finally:
         session.close()
 
@@ -104,7 +104,7 @@ def test_layer_norm_fp32_can_be_turned_off_and_is_recorded():
         seen = _dtype_spy(session.strategy.unwrap(session.model))
         session.train_step()
         assert seen["norm_weight"] == {torch.bfloat16} and seen["norm_out"] == {torch.bfloat16}
-        assert session.conditions("test")["layer_norm_fp32"] is False
+        assert run_figures.conditions(session, "test")["layer_norm_fp32"] is False
     finally:
         session.close()
 
@@ -144,7 +144,7 @@ def test_ddp_mixed_sends_half_gradients_in_the_reduce_dtype(monkeypatch, reduce,
     try:
         session.train_step()
         assert set(sent) == wire
-        assert session.conditions("test")["reduce_dtype"] == ("fp32" if reduce == "fp32" else "bf16")
+        assert run_figures.conditions(session, "test")["reduce_dtype"] == ("fp32" if reduce == "fp32" else "bf16")
     finally:
         session.close()
 

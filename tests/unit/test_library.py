@@ -14,7 +14,8 @@ from rayvit.config import as_config, load_config
 from rayvit.errors import ConfigError
 from rayvit.results import Comparison, RunResult
 from rayvit.worker import Session, train
-from rayvit.worker.checkpoint_io import load_checkpoint
+from rayvit.worker import run_figures
+from rayvit.worker.checkpoint_io import load_checkpoint, resume, save_model, save_state
 
 from shared import Counted, ProcessSnapshot, checkpointed_after, train_steps
 
@@ -141,7 +142,7 @@ def test_a_checkpoint_of_any_strategy_loads_into_one_plain_model(tmp_path, strat
     session = Session(cfg)
     try:
         train_steps(session, 3)
-        session.save_checkpoint(str(tmp_path))
+        save_state(session, str(tmp_path))
         if strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -177,8 +178,8 @@ def test_a_finished_runs_model_alone_loads_into_one_plain_model(tmp_path, strate
     try:
         train_steps(session, 3)
         accuracy = session.evaluate()["val_accuracy"]
-        session.save_model(str(tmp_path))
-        session.save_checkpoint(str(tmp_path / "full"))
+        save_model(session, str(tmp_path))
+        save_state(session, str(tmp_path / "full"))
     finally:
         session.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "meta.json", "state.pt"]
@@ -204,12 +205,12 @@ def test_a_resumed_session_continues_its_input_without_drawing_the_batches_befor
     resumed = Session(cfg)
     try:
         resumed.data.train = counted = Counted(resumed.data.train)
-        resumed.load_checkpoint(str(tmp_path))
+        resume(resumed, str(tmp_path))
         assert counted.drawn == 0, f"resuming drew the {counted.drawn} batches it skips"
         images, labels = next(resumed.data.train)
         assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
         assert resumed.step == 7 and resumed.restarts == 1
-        assert resumed.running_figures()["data_fresh_starts"] == 0
+        assert run_figures.running(resumed)["data_fresh_starts"] == 0
     finally:
         resumed.close()
 

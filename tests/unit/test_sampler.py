@@ -15,7 +15,7 @@ import torch
 
 from rayvit.config import load_config
 from rayvit.results import METRIC_KEYS, PER_RANK_KEYS
-from rayvit.worker import Session, loop, train
+from rayvit.worker import Session, run_figures, step_clock, train
 from rayvit.worker.metrics import across_ranks
 from rayvit.worker.sampler import Sampler, mean_readings, nvml_candidates, nvml_reader, nvml_sampler
 
@@ -137,22 +137,22 @@ def test_the_loop_samples_from_the_first_timed_step_and_only_during_steps(monkey
         made.append(sampler)
         return sampler
 
-    monkeypatch.setattr(loop, "nvml_sampler", fake_sampler)
+    monkeypatch.setattr(step_clock, "nvml_sampler", fake_sampler)
     session = Session(_tiny("train.steps=6", "train.warmup_steps=2"))
     during = []                                                 # inside each step: do readings count?
     forward = session.forward
-    session.forward = lambda x: (during.append(session.sampler is not None and session.sampler._active.is_set()),
+    session.forward = lambda x: (during.append(session.clock.sampler is not None and session.clock.sampler._active.is_set()),
                                  forward(x))[1]
     try:
         for _ in range(5):
             session.clear_grads()
             session.train_step()
-            if session.sampler is not None:
-                assert not session.sampler._active.is_set()    # between steps: they do not
-                session.sampler.sample()                        # what a tick during the step would read
+            if session.clock.sampler is not None:
+                assert not session.clock.sampler._active.is_set()    # between steps: they do not
+                session.clock.sampler.sample()                        # what a tick during the step would read
         assert during == [False, False, True, True, True]      # warm-up: no sampler at all
-        assert len(made) == 1 and session.sampler.started
-        result = session.summary(1.0)
+        assert len(made) == 1 and session.clock.sampler.started
+        result = run_figures.summary(session, 1.0)
     finally:
         session.close()
     m = result.metrics

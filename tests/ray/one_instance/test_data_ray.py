@@ -127,7 +127,8 @@ def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip
     4 batches it would skip (each a decode through the whole pipeline), starts a new pass over its shard,
     and its summary says the input started afresh once."""
     from rayvit.config import load_config
-    from rayvit.worker import Session
+    from rayvit.worker import Session, run_figures
+    from rayvit.worker.checkpoint_io import resume
 
     cfg = load_config("cpu_default", ["data.name=parquet", f"data.path={digits_parquet}", "train.steps=6",
                                       "train.warmup_steps=1"])
@@ -136,10 +137,10 @@ def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip
     resumed = Session(cfg, dataset_shards={"train": datasets["train"].iterator()})
     try:
         resumed.data.train = counted = Counted(resumed.data.train)
-        resumed.load_checkpoint(str(tmp_path))
+        resume(resumed, str(tmp_path))
         assert counted.drawn == 0, f"resuming drew {counted.drawn} batches to skip"
         train_steps(resumed, 2)
-        result = resumed.summary(0.0)
+        result = run_figures.summary(resumed, 0.0)
     finally:
         resumed.close()
     assert result.restarts == 1 and [h["step"] for h in result.history] == list(range(6))

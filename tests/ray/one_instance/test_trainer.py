@@ -232,7 +232,7 @@ def test_a_worker_group_measures_every_run_in_rounds_and_a_failing_run_leaves_th
     assert "round 1/3: ddp/w2 " in text and "fsdp/w2 FAILED" in text and "round 3/3: ddp/w2 " in text
     assert "[2/3] fsdp/w2 FAILED: " in text and "(median of 3 rounds, 95% interval)" in text
     assert len([d for d in os.listdir(tmp_path) if d.startswith("rayvit-group-2w-")]) == 1
-    records = {r.data.tags["rayvit.point"]: r for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
+    records = {r.data.tags["rayvit.point"]: r for r in run.tracker.search_runs("tags.`rayvit.kind` = 'point'")}
     assert {k: r.info.status for k, r in records.items()} == {
         "ddp/w2": "FINISHED", "fsdp/w2": "FAILED", "fairscale_oss/w2": "FINISHED"}
     assert "injected fault" in records["fsdp/w2"].data.tags["rayvit.error"]
@@ -261,7 +261,7 @@ def test_a_run_failing_on_one_rank_is_recorded_within_a_minute_and_the_group_goe
     assert ("keeping ddp/w2 (all rounds finished) and recording nan/w2, raises/w2 failed and measuring fsdp/w2 "
             "in separate runs") in text
     assert outcomes[3].result["rounds"] == 1 and outcomes[3].result["strategy"] == "fsdp"
-    statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
+    statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker.search_runs("tags.`rayvit.kind` = 'point'")}
     assert statuses == {"ddp/w2": "FINISHED", "nan/w2": "FAILED", "raises/w2": "FAILED", "fsdp/w2": "FINISHED"}
 
 
@@ -288,7 +288,7 @@ def test_a_group_that_dies_keeps_finished_points_and_measures_the_rest_alone(tmp
     assert "the worker group at 2 workers failed" in text
     assert "keeping ddp/w2 (all rounds finished) and measuring exits/w2, fsdp/w2 in separate runs" in text
     assert outcomes[2].result["rounds"] == 1 and outcomes[0].result["strategy"] == "ddp"
-    statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker._search("tags.`rayvit.kind` = 'point'")}
+    statuses = {r.data.tags["rayvit.point"]: r.info.status for r in run.tracker.search_runs("tags.`rayvit.kind` = 'point'")}
     assert statuses == {"ddp/w2": "FINISHED", "exits/w2": "FAILED", "fsdp/w2": "FINISHED"}
 
 
