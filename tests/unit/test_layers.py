@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared import REPO
+from helpers_cli import REPO
 
 PACKAGE = REPO / "rayvit"
 MAX_FUNCTION_LINES = 60
@@ -59,13 +59,14 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-def _modules() -> list[tuple[Path, str]]:
-    return [(p, p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))]
+def _modules(root: Path = PACKAGE) -> list[tuple[Path, str]]:
+    return [(p, p.read_text()) for p in sorted(root.rglob("*.py"))]
 
 
-def test_functions_and_modules_stay_within_their_size_limits():
+def _over_the_size_limits(modules: list[tuple[Path, str]]) -> list[str]:
+    """Each module over MAX_MODULE_LINES and each function over MAX_FUNCTION_LINES, with its length."""
     too_long = []
-    for path, text in _modules():
+    for path, text in modules:
         lines = len(text.splitlines())
         if lines > MAX_MODULE_LINES:
             too_long.append(f"{path.relative_to(REPO)}: {lines} lines")
@@ -74,7 +75,11 @@ def test_functions_and_modules_stay_within_their_size_limits():
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
-    assert too_long == []
+    return too_long
+
+
+def test_functions_and_modules_stay_within_their_size_limits():
+    assert _over_the_size_limits(_modules()) == []
 
 
 def test_no_module_imports_a_private_name_of_another():
@@ -85,3 +90,8 @@ def test_no_module_imports_a_private_name_of_another():
                 found += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert found == []
+
+
+def test_the_tests_stay_within_the_same_size_limits():
+    """tests/ (helpers, fixtures and test modules) is held to rayvit's own limits."""
+    assert _over_the_size_limits(_modules(REPO / "tests")) == []

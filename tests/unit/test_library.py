@@ -16,7 +16,8 @@ from rayvit.results import Comparison, RunResult
 from rayvit.worker import Session, train
 from rayvit.worker.checkpoint_io import load_checkpoint
 
-from shared import Counted, ProcessSnapshot, checkpointed_after, train_steps
+from helpers_process import ProcessSnapshot
+from helpers_sessions import Counted, checkpointed_after, train_steps
 
 TINY = ["train.steps=4", "train.warmup_steps=1"]
 

@@ -14,9 +14,9 @@ from rayvit.launch.connect import started_local
 from rayvit.results import RunResult
 from rayvit.trainer import ClusterTooSmall, TrainingError, build_trainer, check_cluster_fits, fit, load_checkpoint
 
-from shared import ProcessSnapshot
+from helpers_process import ProcessSnapshot
 
-from shared import export_photos_parquet
+from helpers_data import export_photos_parquet
 
 
 @pytest.fixture(scope="module", autouse=True)
