@@ -281,7 +281,7 @@ class SearchConfig:
     # Screen before training (grid searches): time every setting's training step in one process on one
     # device of the kind the trials get, train in the order of the screened objective, skip settings that
     # cannot beat the baseline or the best feasible trial by more than the screen's noise
-    # (rayvit.studies.screen). screen_steps: timed steps per setting and round; screen_seconds: the most
+    # (rayvit.studies.search.screen). screen_steps: timed steps per setting and round; screen_seconds: the most
     # one setting's timed steps take per round (a setting many times slower is decided by one step).
     screen: bool = True
     screen_steps: int = 6

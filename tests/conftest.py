@@ -2,10 +2,15 @@
 
 - ``tests/unit``: in one process, no Ray; ``pytest -m "not slow"`` runs these alone, in under a minute.
 - ``tests/system``: what needs more than one process but no Ray: a wheel built and installed into a fresh
-  venv, two-rank gloo groups. Marked ``slow`` here, by folder.
+  venv, two-rank gloo groups; and what takes seconds in one process (the GPU check's worker-group cases on
+  CPU). Marked ``slow`` here, by folder.
 - ``tests/ray``: real Ray instances and clusters (``ray start``, the fake autoscaler, ``ray job submit``),
   an MLflow server, a browser. Marked ``slow`` here, by folder.
 - ``tests/gpu``: what only a GPU can tell (the GPU check's cases); marked ``gpu`` and skipped without CUDA.
+- ``tests/helpers_*.py``: what the tiers share (``tests/`` is on ``sys.path`` through this conftest), one
+  module per purpose: the repository's paths and the CLIs' settings (helpers_cli), results with chosen
+  figures (helpers_results), data (helpers_data), sessions (helpers_sessions), two gloo ranks
+  (helpers_two_ranks), a caller's process (helpers_process), and the rest named for their subject.
 
 rayvit itself chooses Ray's authentication mode when it reaches Ray (``rayvit.launch.connect``): token
 mode for a local instance, the cluster's own mode when attaching. Several tests call ``ray.init()``
@@ -64,7 +69,7 @@ def _freeze_what_earlier_modules_left():
 @pytest.fixture(scope="module")
 def digits_parquet(tmp_path_factory) -> Path:
     """All 1797 digits as PNGs converted to parquet by the to_parquet CLI (4 shards), once per module."""
-    from shared import export_digits_parquet
+    from helpers_data import export_digits_parquet
 
     return export_digits_parquet(tmp_path_factory.mktemp("digits"))
 

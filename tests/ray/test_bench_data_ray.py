@@ -7,7 +7,8 @@ import json
 import subprocess
 import sys
 
-from shared import CONFIGS, cli_env, export_photos_parquet
+from helpers_cli import CONFIGS, cli_env
+from helpers_data import export_photos_parquet
 
 
 def test_bench_data_times_ray_datas_read_and_decode_and_the_projection_takes_it(tmp_path):

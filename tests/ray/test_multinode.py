@@ -274,6 +274,18 @@ def test_checkpointing_to_node_local_storage_is_refused(cluster, tmp_path):
     assert not _checkpoints(home / "ray_results")
 
 
+def _check_one_worker_per_node_across_the_loss(events: list[dict], first_worker_node: str) -> None:
+    """The faulty run's worker groups: one worker per node before the worker node's loss and after it,
+    afterwards on the restarted node (a new id), with new actors."""
+    before, *after = _placements(events, "faulty")
+    assert sorted(w["label"] for w in before) == [HEAD_LABEL, WORKER_LABEL], before
+    assert first_worker_node in {w["node"] for w in before}
+    assert after, f"no second worker group seen: {events}"
+    assert sorted(w["label"] for w in after[-1]) == [HEAD_LABEL, WORKER_LABEL], after[-1]
+    assert first_worker_node not in {w["node"] for w in after[-1]}
+    assert not {w["actor"] for w in before} & {w["actor"] for w in after[-1]}
+
+
 def test_node_loss_mid_run_recovers_from_checkpoint(cluster, tmp_path):
     """SPREAD puts one worker per node; killing the worker node mid-run and restarting it, the run
     resumes from its last checkpoint in ``launch.storage`` and ends with the same step count and losses
@@ -313,13 +325,7 @@ def test_node_loss_mid_run_recovers_from_checkpoint(cluster, tmp_path):
     assert faulty["restarts"] == 1, "the worker node was lost but the run never restarted"
 
     # One worker per node, before and after the loss; afterwards on the restarted node (a new id).
-    before, *after = _placements(events, "faulty")
-    assert sorted(w["label"] for w in before) == [HEAD_LABEL, WORKER_LABEL], before
-    assert first_worker_node in {w["node"] for w in before}
-    assert after, f"no second worker group seen: {events}"
-    assert sorted(w["label"] for w in after[-1]) == [HEAD_LABEL, WORKER_LABEL], after[-1]
-    assert first_worker_node not in {w["node"] for w in after[-1]}
-    assert not {w["actor"] for w in before} & {w["actor"] for w in after[-1]}
+    _check_one_worker_per_node_across_the_loss(events, first_worker_node)
 
     # Continuous: every step exactly once, and the resumed steps reproduce the unbroken run's losses
     # (same seed, data stream, optimizer and schedule state restored from the checkpoint).

@@ -19,7 +19,8 @@ from rayvit.config import load_config, load_study
 from rayvit.studies.sweep import run_sweep
 from rayvit.trainer import fit
 
-from shared import REPO, ProcessSnapshot, cli_env
+from helpers_cli import REPO, cli_env
+from helpers_process import ProcessSnapshot
 
 SECTION = "## Using rayvit in your own Ray pipeline"
 

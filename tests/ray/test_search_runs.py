@@ -29,7 +29,8 @@ from rayvit.studies.search.judge import judge
 from rayvit.studies.search.trials import ERROR_KEY, STATUS_KEY, trial_trainable
 from rayvit.trainer import TrainingError, fit
 
-from shared import REPO, QUICK, SEARCH_CPU, TINY_MODEL, ProcessSnapshot, cli_env
+from helpers_cli import REPO, QUICK, SEARCH_CPU, TINY_MODEL, cli_env
+from helpers_process import ProcessSnapshot
 
 
 
@@ -120,18 +121,14 @@ def _wait_for(proc, lines, marker, timeout):
     return False
 
 
-def test_cli_search_interrupted_then_resumed_picks_the_faster_setting_within_budget(local_ray, tmp_path, capsys):
-    # The default config's decisive pair: the fused optimizer at 32 px (the baseline's arithmetic, so its
-    # accuracy) and at 40 px (more TFLOPS per chip, 4-5 points less accuracy at this budget: rejected).
-    # The screen is off here (the grid order, every setting trained), so what is asserted does not rest on
-    # timings. First the search is interrupted with SIGINT during its first trial; then resumed by name.
-    best_path = tmp_path / "best.yaml"
-    sets = ["search.space={optim.impl: [fused], model.image_size: [32, 40]}", "search.screen=false"]
-    argv = ["--name", "decisive", "--output", str(best_path)] + [a for s in sets for a in ("--set", s)]
-    # The interrupted run attaches to this module's instance (the resume below runs on it too) rather
-    # than starting a local instance of its own beside it: the CLI's default path, a local instance of
-    # its own, is test_sweep_runs.py's default sweep. The instance's token is Ray's default one for local
-    # instances, ~/.ray/auth_token, which the CLI finds there too.
+def _search_interrupted_in_its_first_trial(argv: list[str], tmp_path) -> tuple[int, str, str]:
+    """experiments/search.py run as a user runs it, interrupted with SIGINT during its first trial: its exit
+    status, what it printed and its stderr.
+
+    The interrupted run attaches to this module's instance (the resume runs on it too) rather than starting
+    a local instance of its own beside it: the CLI's default path, a local instance of its own, is
+    test_sweep_runs.py's default sweep. The instance's token is Ray's default one for local instances,
+    ~/.ray/auth_token, which the CLI finds there too."""
     env = {**cli_env(tmp_path), "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"],
            "RAYVIT_HOME": os.environ["RAYVIT_HOME"], "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     proc = subprocess.Popen([sys.executable, "experiments/search.py", *argv], cwd=REPO, env=env, text=True,
@@ -145,30 +142,29 @@ def test_cli_search_interrupted_then_resumed_picks_the_faster_setting_within_bud
     finally:
         if proc.poll() is None:
             proc.kill()
-    printed = "\n".join(lines) + "\n" + out
-    assert proc.returncode == 130, printed + err
-    assert "interrupted after 0 of 2 trials; no best config written; resume with --name decisive" in err
-    interrupted = next(line for line in printed.splitlines() if line.startswith("[t01/2] impl=fused image_size=32:"))
-    assert "interrupted" in interrupted and "ASHA" not in printed
-    assert "Tuner.restore" not in printed + err and "No trial beat" not in printed
-    assert not best_path.exists()
-    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
-    exp = client.get_experiment_by_name("rayvit-search")
+    return proc.returncode, "\n".join(lines) + "\n" + out, err
+
+
+def _search_parent(client: MlflowClient, exp):
+    """The search's own MLflow run (the trials' parent)."""
     [parent] = client.search_runs([exp.experiment_id],
                                   "tags.`rayvit.kind` = 'search' and tags.`rayvit.sweep` = 'decisive'")
-    assert parent.info.status == "KILLED"
-    killed = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
-                                                     "and tags.`rayvit.trial` = 't01'")
-    assert [(r.info.status, r.data.tags["status"]) for r in killed] == [("KILLED", "interrupted")]
+    return parent
 
-    # Resumed in this process (this module's Ray instance): the baseline is reused, the trials train.
+
+def _resumed_in_this_process(argv: list[str]) -> int:
+    """experiments/search.py's own ``main`` resuming the search by name, on this module's Ray instance."""
     sys.path.insert(0, str(REPO / "experiments"))
     try:
         import search as search_cli
     finally:
         sys.path.pop(0)
-    assert search_cli.main(argv) == 0
-    printed = capsys.readouterr().out
+    return search_cli.main(argv)
+
+
+def _check_resumed_printout(printed: str) -> bool:
+    """What the resumed search printed: the baseline reused, live progress, then the verdicts. Whether t01
+    won (its TFLOPS interval lies above the baseline's)."""
     assert "[baseline] reused" in printed and "[baseline] training" not in printed
     # Live progress, then the verdicts.
     assert "[t01/2] t01: step" in printed
@@ -185,9 +181,13 @@ def test_cli_search_interrupted_then_resumed_picks_the_faster_setting_within_bud
     else:
         assert "No trial beat the baseline beyond noise" in printed
     assert "Configuration for experiment" not in printed and "tensorboard" not in printed.lower()
+    return beyond
 
-    [parent] = client.search_runs([exp.experiment_id],
-                                  "tags.`rayvit.kind` = 'search' and tags.`rayvit.sweep` = 'decisive'")
+
+def _check_finished_record(client: MlflowClient, exp):
+    """The resumed search's MLflow record: finished, the baseline and both trials as finished children with
+    their verdicts, figures and intervals, the search's artifacts. The parent run."""
+    parent = _search_parent(client, exp)
     assert parent.info.status == "FINISHED"
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
                                                        "and attributes.status = 'FINISHED'")
@@ -206,6 +206,36 @@ def test_cli_search_interrupted_then_resumed_picks_the_faster_setting_within_bud
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"search_trials.parquet", "search_trials.txt", "accuracy_vs_throughput.png",
             "best_config.yaml"} <= artifacts
+    return parent
+
+
+def test_cli_search_interrupted_then_resumed_picks_the_faster_setting_within_budget(local_ray, tmp_path, capsys):
+    # The default config's decisive pair: the fused optimizer at 32 px (the baseline's arithmetic, so its
+    # accuracy) and at 40 px (more TFLOPS per chip, 4-5 points less accuracy at this budget: rejected).
+    # The screen is off here (the grid order, every setting trained), so what is asserted does not rest on
+    # timings. First the search is interrupted with SIGINT during its first trial; then resumed by name.
+    best_path = tmp_path / "best.yaml"
+    sets = ["search.space={optim.impl: [fused], model.image_size: [32, 40]}", "search.screen=false"]
+    argv = ["--name", "decisive", "--output", str(best_path)] + [a for s in sets for a in ("--set", s)]
+    code, printed, err = _search_interrupted_in_its_first_trial(argv, tmp_path)
+    assert code == 130, printed + err
+    assert "interrupted after 0 of 2 trials; no best config written; resume with --name decisive" in err
+    interrupted = next(line for line in printed.splitlines() if line.startswith("[t01/2] impl=fused image_size=32:"))
+    assert "interrupted" in interrupted and "ASHA" not in printed
+    assert "Tuner.restore" not in printed + err and "No trial beat" not in printed
+    assert not best_path.exists()
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("rayvit-search")
+    parent = _search_parent(client, exp)
+    assert parent.info.status == "KILLED"
+    killed = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
+                                                     "and tags.`rayvit.trial` = 't01'")
+    assert [(r.info.status, r.data.tags["status"]) for r in killed] == [("KILLED", "interrupted")]
+
+    # Resumed in this process (this module's Ray instance): the baseline is reused, the trials train.
+    assert _resumed_in_this_process(argv) == 0
+    beyond = _check_resumed_printout(capsys.readouterr().out)
+    parent = _check_finished_record(client, exp)
 
     # The written best config is the winner (or the baseline) and loads as a config ...
     best = load_config(best_path)

@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from rayvit.record import tracking
 
-from shared import make_result
+from helpers_results import make_result
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):

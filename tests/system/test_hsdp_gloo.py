@@ -8,7 +8,7 @@ import torch
 
 from rayvit.config import load_config
 
-from shared import flag_apart, spied, two_ranks
+from helpers_two_ranks import flag_apart, spied, two_ranks
 
 TINY = ["train.batch_size=4", "model.depth=2", "optim.lr=0.01", "optim.grad_clip=1.0"]
 RUNS = {"ddp": ["parallel.strategy=ddp"], "fsdp": ["parallel.strategy=fsdp"],

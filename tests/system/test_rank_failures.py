@@ -21,7 +21,7 @@ from torch.multiprocessing import ProcessRaisedException
 
 from rayvit.config import load_config
 
-from shared import two_ranks
+from helpers_two_ranks import two_ranks
 
 SMALL = ["train.batch_size=4", "model.depth=2", "train.steps=4", "train.warmup_steps=1", "parallel.num_workers=2"]
 FAULT = {"train.fail_at_step": 2, "train.fail_rank": 1, "train.failure_timeout_s": 3}

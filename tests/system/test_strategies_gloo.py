@@ -17,7 +17,7 @@ import torch
 
 from rayvit.config import load_config
 
-from shared import flag_apart, spied, two_ranks
+from helpers_two_ranks import flag_apart, spied, two_ranks
 
 TINY = ["train.batch_size=4", "model.depth=2"]
 
@@ -145,7 +145,7 @@ def _fairscale_shards_after_a_step(rank: int, optim: str) -> list[tuple[torch.Te
 
     from rayvit.training.optim import owned_parameters
 
-    from shared import fairscale_fsdp_on_cpu, reference_step, unwrapped_paths
+    from helpers_fairscale import fairscale_fsdp_on_cpu, reference_step, unwrapped_paths
 
     cfg, strategy, model, optimizer = fairscale_fsdp_on_cpu([f"optim.name={optim}", "optim.weight_decay=0.5", "optim.lr=0.1"])
     reference, grads = reference_step(cfg, 0, 1)

@@ -1,6 +1,7 @@
 """Activation checkpointing (``model.activation_checkpointing``): each strategy that runs on CPU trains
 exactly as without it, wraps the blocks before sharding, and keeps the activation bytes the projection
-says, at one rank and at two; FairScale FSDP gets FairScale's own wrapper; the ladder has its rung."""
+says (at two ranks: tests/system/test_projection_at_two_ranks.py); FairScale FSDP gets FairScale's own
+wrapper; the ladder has its rung."""
 
 from __future__ import annotations
 
@@ -11,39 +12,11 @@ import pytest
 from rayvit.config import load_config, load_study
 from rayvit.errors import ConfigError
 from rayvit.models.activation_checkpointing import checkpointed_blocks
-from rayvit.projection import memory
-from rayvit.measure.activation_memory import saved_bytes_slope
 
-from shared import two_ranks
+from helpers_activation_checkpointing import SMALL, losses_and_slope, modelled_saved
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
-# Four blocks, so that "selective" (every second block) differs from "block"; a few steps at a small batch.
-SMALL = ["model.depth=4", "train.steps=3", "train.warmup_steps=1", "train.batch_size=4", "train.report_every=3"]
-
-
-def _losses_and_slope(cfg) -> tuple[list[float], float]:
-    """Three training steps' losses, then the saved bytes per image of the trained session's forward."""
-    from rayvit.worker import Session
-
-    session = Session(cfg)
-    try:
-        losses = []
-        for _ in range(cfg.train.steps):
-            session.clear_grads()
-            losses.append(session.train_step())
-        return losses, saved_bytes_slope(session)
-    finally:
-        session.close()
-
-
-def modelled_saved(cfg) -> float:
-    """What the projection says autograd keeps per image between forward and backward (the recomputed
-    block exists only during backward: not in a forward's saved tensors)."""
-    parts = memory.activation_bytes_per_image(cfg, layer_norm_fp32=False)
-    return sum(parts.values()) - parts.get("recomputed_block", 0.0)
-
-
 def test_blocks_chosen_per_mode():
     cfg = load_config(DEFAULT, ["model.depth=5"]).model
     assert checkpointed_blocks(cfg) == []
@@ -65,7 +38,7 @@ def test_checkpointing_trains_exactly_as_without_it_and_keeps_what_the_projectio
     runs = {}
     for mode in ("none", "block", "selective"):
         cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", f"model.activation_checkpointing={mode}", *SMALL])
-        runs[mode] = (cfg, *_losses_and_slope(cfg))
+        runs[mode] = (cfg, *losses_and_slope(cfg))
     for mode in ("block", "selective"):
         assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-5), mode
     measured = {mode: slope for mode, (_, _, slope) in runs.items()}
@@ -219,29 +192,3 @@ def test_projection_prices_checkpointing_as_memory_saved_for_a_second_forward():
     assert ckpt.memory.activations < plain.memory.activations / 3
     half = project(cfg.replace({"model.activation_checkpointing": "selective"}), 8, a100)
     assert ckpt.recompute_s > half.recompute_s > 0 and ckpt.memory.activations < half.memory.activations
-
-
-def _two_rank_runs(rank):
-    import torch
-
-    torch.set_num_threads(1)
-    out = {}
-    for strategy in ("ddp", "fsdp", "fairscale_oss"):
-        for mode in ("none", "block"):
-            cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", f"model.activation_checkpointing={mode}",
-                                        "parallel.num_workers=2", *SMALL])
-            out[(strategy, mode)] = _losses_and_slope(cfg)
-    return out
-
-
-@pytest.mark.slow
-def test_at_two_ranks_checkpointing_trains_the_same_and_keeps_what_the_projection_says(tmp_path):
-    ranks = two_ranks(tmp_path, _two_rank_runs)
-    for strategy in ("ddp", "fsdp", "fairscale_oss"):
-        for rank in ranks:
-            none, block = rank[(strategy, "none")], rank[(strategy, "block")]
-            assert block[0] == pytest.approx(none[0], rel=1e-5), strategy
-            for mode, (_, slope) in (("none", none), ("block", block)):
-                cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}", f"model.activation_checkpointing={mode}",
-                                            "parallel.num_workers=2", *SMALL])
-                assert modelled_saved(cfg) == pytest.approx(slope, rel=0.10), (strategy, mode, slope)

@@ -1,7 +1,7 @@
 """rayvit.launch.capacity without a cluster: the decisions, the limits and finding the autoscaler's config.
 
 The end-to-end behaviour against Ray's real autoscaler is in tests/ray/test_autoscaling.py; the decisions on
-the shipped cluster configs are in tests/unit/test_cluster_configs.py.
+the shipped cluster configs are in tests/unit/test_cluster_configs_capacity.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The cluster configs in cluster/ agree with Ray, KubeRay, the package and the A100 study.
 
 Fast and offline: no cluster, no network. The launcher YAML goes through Ray's own config
-preparation and validator (the same calls `ray up` makes before it talks to AWS).
+preparation and validator (the same calls `ray up` makes before it talks to AWS). What rayvit's capacity
+check makes of these clusters: test_cluster_configs_capacity.py.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 import subprocess
 import tomllib
@@ -21,17 +21,9 @@ from ray.dashboard.modules.dashboard_sdk import parse_runtime_env_args
 from ray.runtime_env import RuntimeEnv
 
 from rayvit.config import load_config, load_study
-from rayvit.launch import capacity
 
-ROOT = Path(__file__).resolve().parents[2]
-CLUSTER = ROOT / "cluster"
-LAUNCHER = CLUSTER / "aws-p4d.yaml"
-RAYCLUSTER = CLUSTER / "kuberay" / "raycluster.yaml"
-RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
-RUNTIME_ENV = CLUSTER / "runtime_env.yaml"
-CONSTRAINTS = CLUSTER / "constraints.txt"
-README = CLUSTER / "README.md"
-STUDY = "experiments/configs/study_a100.yaml"
+from helpers_cluster_files import (CLUSTER, CONSTRAINTS, LAUNCHER, RAYCLUSTER, RAYJOB, README, ROOT, RUNTIME_ENV, STUDY,
+                                   read_docs, read_raycluster, read_yaml)
 
 GPUS_PER_NODE = 8  # p4d.24xlarge: 8x A100
 MIN_NODES, MAX_NODES = 1, 8
@@ -40,21 +32,6 @@ STORAGE_MOUNT = "/mnt/rayvit"        # the shared file system on every node of b
 STORAGE = f"{STORAGE_MOUNT}/ray_results"
 # rayproject/ray or rayproject/ray-ml, tag {version}[-py3x][-cpu|-gpu|-cuXXX][-arch].
 IMAGE_RE = re.compile(r"^rayproject/ray(?:-ml)?:(?P<version>\d+\.\d+\.\d+)(?:-py3\d+)?(?:-(?:cpu|gpu|cu\d+))?")
-
-
-def _yaml(path: Path) -> dict:
-    with open(path) as f:
-        return yaml.safe_load(f)
-
-
-def _docs(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [d for d in yaml.safe_load_all(f) if d]
-
-
-def _raycluster() -> dict:
-    (doc,) = [d for d in _docs(RAYCLUSTER) if d["kind"] == "RayCluster"]
-    return doc
 
 
 def _gpu_worker_type(cfg: dict) -> dict:
@@ -77,25 +54,25 @@ def _containers(pod_template: dict) -> list[dict]:
 
 def test_launcher_config_passes_rays_own_validator():
     # What `ray up` does before contacting AWS: fill defaults, then validate against ray-schema.json.
-    config = prepare_config(_yaml(LAUNCHER))
+    config = prepare_config(read_yaml(LAUNCHER))
     validate_config(config)
 
 
 def test_launcher_validator_rejects_a_broken_copy():
     # Proves the validator above is live: a misspelt node-type field must be refused...
-    config = _yaml(LAUNCHER)
+    config = read_yaml(LAUNCHER)
     _gpu_worker_type(config)["max_worker"] = 8
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(config))
     # ...and so must more guaranteed workers than the cluster may have.
-    config = _yaml(LAUNCHER)
+    config = read_yaml(LAUNCHER)
     _gpu_worker_type(config)["min_workers"] = config["max_workers"] + 1
     with pytest.raises(ValueError, match="max_workers"):
         validate_config(prepare_config(config))
 
 
 def test_launcher_has_cpu_head_and_1_to_8_p4d_workers_with_8_gpus_each():
-    config = _yaml(LAUNCHER)
+    config = read_yaml(LAUNCHER)
     head = config["available_node_types"][config["head_node_type"]]
     assert head["resources"].get("GPU", 0) == 0
     assert not head["node_config"]["InstanceType"].startswith(("p", "g"))  # no GPU instance family
@@ -105,12 +82,12 @@ def test_launcher_has_cpu_head_and_1_to_8_p4d_workers_with_8_gpus_each():
     assert (worker["min_workers"], worker["max_workers"]) == (MIN_NODES, MAX_NODES)
     assert config["max_workers"] == MAX_NODES
     # After Ray's preparation the head may start no workers of its own type.
-    prepared = prepare_config(_yaml(LAUNCHER))
+    prepared = prepare_config(read_yaml(LAUNCHER))
     assert prepared["available_node_types"][config["head_node_type"]]["max_workers"] == 0
 
 
 def test_launcher_gives_gpu_workers_the_efa_and_nccl_environment():
-    docker = _yaml(LAUNCHER)["docker"]
+    docker = read_yaml(LAUNCHER)["docker"]
     options = " ".join(docker.get("run_options", []) + docker.get("worker_run_options", []))
     env = dict(re.findall(r"--env\s+(\w+)=(\S+)", options))
     assert env["FI_PROVIDER"] == "efa"
@@ -119,12 +96,12 @@ def test_launcher_gives_gpu_workers_the_efa_and_nccl_environment():
     assert "NCCL_SOCKET_IFNAME" in env
     assert "/opt/amazon/efa/lib" in env["LD_LIBRARY_PATH"]
     assert "--device=/dev/infiniband/uverbs0" in options
-    interfaces = _gpu_worker_type(_yaml(LAUNCHER))["node_config"]["NetworkInterfaces"]
+    interfaces = _gpu_worker_type(read_yaml(LAUNCHER))["node_config"]["NetworkInterfaces"]
     assert [i["InterfaceType"] for i in interfaces] == ["efa"] * 4  # p4d.24xlarge has 4 EFA cards
 
 
 def test_launcher_installs_the_project_and_syncs_the_checkout():
-    config = _yaml(LAUNCHER)
+    config = read_yaml(LAUNCHER)
     (remote,) = [remote for remote, local in config["file_mounts"].items() if local == "."]
     # setup_commands run on every node the autoscaler adds too: all of them install the pinned versions.
     assert any(cmd.strip() == f"pip install -c {remote}/cluster/constraints.txt -e {remote}"
@@ -134,8 +111,8 @@ def test_launcher_installs_the_project_and_syncs_the_checkout():
 
 
 def test_mlflow_server_listens_on_loopback_only():
-    head_cmds = " ".join(_yaml(LAUNCHER)["head_start_ray_commands"])
-    (sidecar,) = [c for c in _containers(_raycluster()["spec"]["headGroupSpec"]["template"])
+    head_cmds = " ".join(read_yaml(LAUNCHER)["head_start_ray_commands"])
+    (sidecar,) = [c for c in _containers(read_raycluster()["spec"]["headGroupSpec"]["template"])
                   if c["name"] == "mlflow"]
     for command in (head_cmds, " ".join(sidecar["command"] + sidecar["args"])):
         assert "mlflow server" in command
@@ -149,7 +126,7 @@ def test_mlflow_server_listens_on_loopback_only():
 
 
 def test_raycluster_manifest_has_required_fields():
-    rc = _raycluster()
+    rc = read_raycluster()
     assert rc["apiVersion"] == "ray.io/v1"
     assert rc["kind"] == "RayCluster"
     assert rc["metadata"]["name"]
@@ -165,12 +142,12 @@ def test_raycluster_manifest_has_required_fields():
     # The MLflow volume claim referenced by the head pod is defined in the same file.
     claims = {v["persistentVolumeClaim"]["claimName"] for v in head["template"]["spec"]["volumes"]
               if "persistentVolumeClaim" in v}
-    defined = {d["metadata"]["name"] for d in _docs(RAYCLUSTER) if d["kind"] == "PersistentVolumeClaim"}
+    defined = {d["metadata"]["name"] for d in read_docs(RAYCLUSTER) if d["kind"] == "PersistentVolumeClaim"}
     assert claims and claims <= defined
 
 
 def test_raycluster_gpu_group_has_8_gpus_per_pod_and_1_to_8_replicas():
-    group = _gpu_group(_raycluster())
+    group = _gpu_group(read_raycluster())
     assert group["groupName"]
     assert (group["minReplicas"], group["maxReplicas"]) == (MIN_NODES, MAX_NODES)
     assert MIN_NODES <= group["replicas"] <= MAX_NODES
@@ -185,7 +162,7 @@ def test_raycluster_gpu_group_has_8_gpus_per_pod_and_1_to_8_replicas():
 
 
 def test_rayjob_runs_the_a100_study_on_the_raycluster():
-    (job,) = _docs(RAYJOB)
+    (job,) = read_docs(RAYJOB)
     assert job["apiVersion"] == "ray.io/v1"
     assert job["kind"] == "RayJob"
     assert job["metadata"].get("name") or job["metadata"].get("generateName")
@@ -194,17 +171,17 @@ def test_rayjob_runs_the_a100_study_on_the_raycluster():
                                           "--set", f"launch.storage={STORAGE}"]
     # The job targets the RayCluster defined next to it (or brings its own cluster spec).
     if "clusterSelector" in spec:
-        assert spec["clusterSelector"]["ray.io/cluster"] == _raycluster()["metadata"]["name"]
+        assert spec["clusterSelector"]["ray.io/cluster"] == read_raycluster()["metadata"]["name"]
         assert not spec.get("shutdownAfterJobFinishes")  # never tear down a shared cluster
     else:
         assert spec["rayClusterSpec"]["workerGroupSpecs"]
 
 
 def test_rayjob_runtime_env_matches_cluster_runtime_env():
-    (job,) = _docs(RAYJOB)
+    (job,) = read_docs(RAYJOB)
     job_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])
     RuntimeEnv(**job_env)  # Ray's own type checks (pip list, env_vars as str -> str)
-    file_env = _yaml(RUNTIME_ENV)
+    file_env = read_yaml(RUNTIME_ENV)
     assert job_env["env_vars"] == file_env["env_vars"]
     assert job_env["working_dir"].endswith(".zip")  # a remote archive: kubectl cannot upload a dir
     # The pins come from cluster/constraints.txt at the very commit the archive holds.
@@ -249,7 +226,7 @@ def test_constraints_pin_every_dependency_within_its_range():
     # Ray is the cluster images' own (tests above tie the image tags to the installed Ray), and the
     # MLflow sidecar of the KubeRay head serves with the version the driver logs with.
     assert pins["ray"] == ray.__version__
-    (sidecar,) = [c for c in _containers(_raycluster()["spec"]["headGroupSpec"]["template"]) if c["name"] == "mlflow"]
+    (sidecar,) = [c for c in _containers(read_raycluster()["spec"]["headGroupSpec"]["template"]) if c["name"] == "mlflow"]
     assert f'"mlflow=={pins["mlflow"]}"' in " ".join(sidecar["args"])
 
 
@@ -265,9 +242,9 @@ def test_runtime_env_installs_the_constraints_file():
 
 
 def _image_tags() -> dict[str, list[str]]:
-    docker = _yaml(LAUNCHER)["docker"]
+    docker = read_yaml(LAUNCHER)["docker"]
     launcher = [docker[k] for k in ("image", "head_image", "worker_image") if k in docker]
-    rc = _raycluster()["spec"]
+    rc = read_raycluster()["spec"]
     templates = [rc["headGroupSpec"]["template"]] + [g["template"] for g in rc["workerGroupSpecs"]]
     kuberay = [c["image"] for t in templates for c in _containers(t)]
     return {"launcher": launcher, "kuberay": kuberay}
@@ -280,17 +257,17 @@ def test_ray_image_tags_match_installed_ray():
             match = IMAGE_RE.match(image)
             assert match, f"{where}: {image!r} is not a rayproject/ray[-ml]:<version>-... image"
             assert match["version"] == ray.__version__, (where, image, ray.__version__)
-    assert _raycluster()["spec"]["rayVersion"] == ray.__version__
+    assert read_raycluster()["spec"]["rayVersion"] == ray.__version__
     # GPU workers need a CUDA image.
-    assert re.search(r"-(gpu|cu\d+)", _yaml(LAUNCHER)["docker"].get("worker_image")
-                     or _yaml(LAUNCHER)["docker"]["image"])
-    (worker,) = _containers(_gpu_group(_raycluster())["template"])
+    assert re.search(r"-(gpu|cu\d+)", read_yaml(LAUNCHER)["docker"].get("worker_image")
+                     or read_yaml(LAUNCHER)["docker"]["image"])
+    (worker,) = _containers(_gpu_group(read_raycluster())["template"])
     assert re.search(r"-(gpu|cu\d+)", worker["image"])
 
 
 def test_both_clusters_span_8_to_64_gpus():
-    worker = _gpu_worker_type(_yaml(LAUNCHER))
-    group = _gpu_group(_raycluster())
+    worker = _gpu_worker_type(read_yaml(LAUNCHER))
+    group = _gpu_group(read_raycluster())
     (pod,) = _containers(group["template"])
     launcher = (worker["resources"]["GPU"] * worker["min_workers"], worker["resources"]["GPU"] * worker["max_workers"])
     kuberay = (int(pod["resources"]["limits"]["nvidia.com/gpu"]) * group["minReplicas"],
@@ -309,12 +286,12 @@ def test_study_config_fits_the_clusters():
     for n in counts:
         assert GPUS_PER_NODE * MIN_NODES <= n <= max_gpus, f"{n} workers outside 8..{max_gpus} GPUs"
     # One worker per GPU: a full node hosts 8 workers, so 8 x cpus_per_worker must fit its CPUs.
-    worker_cpus = _gpu_worker_type(_yaml(LAUNCHER))["resources"]["CPU"]
-    (pod,) = _containers(_gpu_group(_raycluster())["template"])
+    worker_cpus = _gpu_worker_type(read_yaml(LAUNCHER))["resources"]["CPU"]
+    (pod,) = _containers(_gpu_group(read_raycluster())["template"])
     pod_cpus = int(pod["resources"]["limits"]["cpu"])
     assert GPUS_PER_NODE * cfg.parallel.cpus_per_worker <= min(worker_cpus, pod_cpus)
     if cfg.parallel.accelerator_type:
-        resources = _gpu_worker_type(_yaml(LAUNCHER))["resources"]
+        resources = _gpu_worker_type(read_yaml(LAUNCHER))["resources"]
         assert f"accelerator_type:{cfg.parallel.accelerator_type}" in resources
 
 
@@ -323,7 +300,7 @@ def test_study_config_fits_the_clusters():
 
 
 def test_launcher_turns_token_auth_on_for_every_node_with_a_token_it_distributes():
-    config = _yaml(LAUNCHER)
+    config = read_yaml(LAUNCHER)
     docker = config["docker"]
     # run_options apply to the head's and the workers' containers alike (and to every `ray exec`).
     assert "--env RAY_AUTH_MODE=token" in docker["run_options"]
@@ -342,7 +319,7 @@ def test_launcher_turns_token_auth_on_for_every_node_with_a_token_it_distributes
 
 
 def test_kuberay_turns_token_auth_on_for_every_node():
-    spec = _raycluster()["spec"]
+    spec = read_raycluster()["spec"]
     # KubeRay >= 1.5.1 (ray-operator/apis/ray/v1/raycluster_types.go: AuthOptions.Mode): the operator
     # generates the token Secret and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN on every Ray container, the
     # autoscaler and the RayJob submitter. It refuses the mode below Ray 2.52.
@@ -365,15 +342,15 @@ def test_no_auth_token_is_committed():
 
 
 def test_launcher_mounts_shared_storage_on_every_node():
-    config = _yaml(LAUNCHER)
+    config = read_yaml(LAUNCHER)
     init = " ".join(config["initialization_commands"])   # on each host, before its container starts
     assert re.search(rf"mount -t nfs4 .*fs-REPLACE_ME\.efs\.[a-z0-9-]+\.amazonaws\.com:/ {STORAGE_MOUNT}\b", init)
     assert f"--volume {STORAGE_MOUNT}:{STORAGE_MOUNT}" in config["docker"]["run_options"]
 
 
 def test_kuberay_mounts_one_readwritemany_volume_on_every_pod():
-    rc = _raycluster()
-    (claim,) = [d for d in _docs(RAYCLUSTER) if d["kind"] == "PersistentVolumeClaim"
+    rc = read_raycluster()
+    (claim,) = [d for d in read_docs(RAYCLUSTER) if d["kind"] == "PersistentVolumeClaim"
                 and d["spec"]["accessModes"] == ["ReadWriteMany"]]
     name = claim["metadata"]["name"]
     templates = [rc["spec"]["headGroupSpec"]["template"]] + [g["template"] for g in rc["spec"]["workerGroupSpecs"]]
@@ -389,67 +366,6 @@ def test_the_documented_commands_set_the_shared_storage():
     readme = README.read_text()
     assert f"--set launch.storage={STORAGE}" in readme
     assert load_config(ROOT / STUDY, [f"launch.storage={STORAGE}"]).launch.storage == STORAGE
-
-
-# --------------------------------------------------------------------------------------------------
-# What rayvit's capacity check makes of these clusters (the limits as the autoscalers read them)
-
-
-def _launcher_limits() -> capacity.Autoscaler:
-    return capacity.autoscaler_from_config(prepare_config(_yaml(LAUNCHER)), str(LAUNCHER))
-
-
-def _kuberay_limits() -> capacity.Autoscaler:
-    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
-
-    rc = copy.deepcopy(_raycluster())
-    rc["metadata"]["namespace"] = "default"   # set by the API server; Ray's translation reads it
-    return capacity.autoscaler_from_config(_derive_autoscaling_config_from_ray_cr(rc), str(RAYCLUSTER))
-
-
-def _one_node_up() -> tuple[dict, dict]:
-    """The clusters as they start: the CPU head and the one GPU node min_workers keeps."""
-    head = {"CPU": 8.0, "node:__internal_head__": 1.0}
-    worker = {"CPU": 88.0, "GPU": 8.0, "accelerator_type:A100": 1.0}
-    return head, worker
-
-
-@pytest.mark.parametrize("limits", [_launcher_limits, _kuberay_limits], ids=["launcher", "kuberay"])
-def test_every_study_point_fits_or_can_grow_from_one_node(limits):
-    head, worker = _one_node_up()
-    cluster = capacity.Cluster([head, worker], head, limits())
-    study = load_study(ROOT / STUDY)
-    cfg = study.run
-    kinds = {n: capacity.decide(cluster, capacity.Demand.of(cfg.replace({"parallel.num_workers": n}))).kind
-             for n in study.sweep.worker_counts}
-    assert kinds == {8: "fits_now", 16: "can_grow", 32: "can_grow", 64: "can_grow"}
-    # The check the sweep makes before its first point passes for the whole study.
-    capacity.check_plan([cfg.replace({"parallel.num_workers": n}) for n in study.sweep.worker_counts], cluster)
-
-
-@pytest.mark.parametrize("limits", [_launcher_limits, _kuberay_limits], ids=["launcher", "kuberay"])
-def test_a_point_beyond_the_autoscalers_maximum_is_refused_naming_both_numbers(limits):
-    head, worker = _one_node_up()
-    cluster = capacity.Cluster([head, worker], head, limits())
-    cfg = load_config(ROOT / STUDY, ["parallel.num_workers=72"])
-    with pytest.raises(capacity.ClusterTooSmall, match=r"asked for 72 workers .*= 72 GPUs.* at most 8 worker "
-                                                       r"nodes, room for 64 such workers = 64 GPUs"):
-        capacity.check_plan([cfg], cluster)
-
-
-def test_a_fixed_size_cluster_refuses_what_its_nodes_cannot_hold():
-    head, worker = _one_node_up()
-    cluster = capacity.Cluster([head, worker], head, None, ["nowhere"])
-    cfg = load_config(ROOT / STUDY, ["parallel.num_workers=16"])
-    with pytest.raises(capacity.ClusterTooSmall, match=r"asked for 16 workers.*fixed-size cluster.*room for 8"):
-        capacity.check_plan([cfg], cluster)
-
-
-def test_progress_line_counts_gpus_and_nodes():
-    head, worker = _one_node_up()
-    cluster = capacity.Cluster([head, worker], head, _launcher_limits())
-    demand = capacity.Demand.of(load_config(ROOT / STUDY, ["parallel.num_workers=64"]))
-    assert capacity.progress_line(cluster, demand, 130) == "waiting for 56 more GPUs: 1 of 8 nodes up, 2:10 elapsed"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from rayvit.config import load_config
 from rayvit.results import CONDITION_KEYS, METRIC_KEYS, RunResult
 from rayvit.worker import Session, run_figures
 from rayvit.worker.compiling import compile_overhead_s
-from shared import make_result
+from helpers_results import make_result
 
 TINY = ["train.batch_size=4", "model.depth=2"]
 

@@ -18,7 +18,7 @@ from rayvit.data.digits import load_digits_arrays
 from rayvit.data.images import ImageTransform
 from rayvit.data.parquet import class_names, load_split
 
-from shared import CPU, config, sample_key, take
+from helpers_data import CPU, config, sample_key, take
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from rayvit.training.optim import build_optimizer, param_groups
 from rayvit.training.precision import Precision
 from rayvit.strategies import Strategy, ensure_process_group, strategy_class
 
-from shared import fairscale_fsdp_on_cpu, reference_step, unwrapped_paths
+from helpers_fairscale import fairscale_fsdp_on_cpu, reference_step, unwrapped_paths
 
 CONFIGS = Path(__file__).resolve().parents[2] / "experiments" / "configs"
 CPU = torch.device("cpu")

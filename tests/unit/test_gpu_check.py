@@ -93,21 +93,6 @@ def test_dtype_checks_run_on_cpu_where_their_strategies_do():
         "8 block matmuls (4 blocks x 1 steps x forward + recompute) in bf16; gradients finite")
 
 
-@pytest.mark.slow
-def test_worker_group_cases_run_on_cpu_where_their_strategies_do():
-    """The state and rounds cases' own code, on CPU for fsdp and ddp (their GPU cases add fairscale_fsdp
-    and free device memory): ~10 s of the small ViT, so in the slow tier."""
-    check = _gpu_check_module()
-    cpu = torch.device("cpu")
-    assert check.check_state_after_evaluation(cpu, "fsdp", "mixed", "bf16").endswith(
-        "B per rank in every run (reshard on/off, with/without a validation split); projected 53,817,728 B")
-    assert check.check_group_memory(cpu, ("ddp", "fsdp")) == (
-        "after rounds 1/2: ddp 1 process groups; fsdp 1 process groups")
-    assert not torch.distributed.is_initialized()
-    with pytest.raises(check.NotCheckable, match="needs two ranks over NCCL"):
-        check.check_nan_on_one_rank(cpu)
-
-
 def test_the_collective_count_cases_run_on_cpu_over_gloo():
     """What the ranks compare after each run grows by one per collective as it is issued (gloo here, NCCL on
     a GPU); the two-rank case needs two GPUs."""

@@ -15,7 +15,7 @@ from rayvit.data import build_data
 from rayvit.data.images import (CorruptImageError, ImageTransform, center_box, dct_divisor, random_resized_box,
                                 transform_image)
 
-from shared import CPU, ODD_IMAGES, config, export_photos_parquet
+from helpers_data import CPU, ODD_IMAGES, config, export_photos_parquet
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from rayvit.cli import main
 from rayvit.projection.inputs import InputRate, cores_free_per_chip, measured_note, verdict
 from rayvit.results import RunResult
 
-from shared import CONFIGS, config, export_photos_parquet
+from helpers_cli import CONFIGS
+from helpers_data import config, export_photos_parquet
 
 
 def test_input_verdict_per_point():

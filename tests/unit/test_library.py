@@ -17,7 +17,8 @@ from rayvit.worker import Session, train
 from rayvit.worker import run_figures
 from rayvit.worker.checkpoint_io import load_checkpoint, resume, save_model, save_state
 
-from shared import Counted, ProcessSnapshot, checkpointed_after, train_steps
+from helpers_process import ProcessSnapshot
+from helpers_sessions import Counted, checkpointed_after, train_steps
 
 TINY = ["train.steps=4", "train.warmup_steps=1"]
 

@@ -1,4 +1,5 @@
-"""rayvit.projection: hand-worked arithmetic, exact model-state bytes against the real strategies, the CLI."""
+"""rayvit.projection: hand-worked arithmetic, exact model-state bytes against the real strategies, the CLI.
+The links it prices collectives with: test_projection_links.py; the GPU profiles: test_projection_gpu_profiles.py."""
 
 from __future__ import annotations
 
@@ -12,15 +13,13 @@ import pytest
 from rayvit.models import vit_complexity
 from rayvit.config import load_config
 from rayvit.projection import comms, memory
-from rayvit.measure.links import fit_link, host_wait, worker_benchmark
-from rayvit.measure.timers import wait_probe
 from rayvit.projection.insweep import sweep_profile
 from rayvit.projection.performance import ComputeRate, compute_from_measured, project
-from rayvit.projection.hardware_profile import Link, with_measured_links
+from rayvit.projection.hardware_profile import Link
 from rayvit.projection.profiles import cpu_profile, get_profile
 from rayvit.strategies.shapes import vit_tensors
 
-from shared import COMBOS, reduce_dtype, two_ranks, vit_b16
+from helpers_projection import COMBOS, reduce_dtype, vit_b16
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"
@@ -229,251 +228,6 @@ def test_step_time_by_hand_on_a_two_chip_cpu_profile():
     assert project(cfg, 2, profile.replace(overlap=1.0), rate).exposed_comm_s == pytest.approx(comm)
 
 
-def test_the_wait_for_the_slowest_rank_grows_with_the_compute_before_each_message():
-    """a + b sqrt(gap) through the measured curve; one point is a flat wait; noise never makes it shrink."""
-    link = Link(busbw=1e9, latency_s=1e-4, wait_curve=((2e-3, 0.8e-3), (10e-3, 1.4e-3)))
-    b = (1.4e-3 - 0.8e-3) / (10e-3 ** 0.5 - 2e-3 ** 0.5)
-    assert link.wait_s(2e-3) == pytest.approx(0.8e-3) and link.wait_s(10e-3) == pytest.approx(1.4e-3)
-    assert link.wait_s(4e-3) == pytest.approx(0.8e-3 + b * (4e-3 ** 0.5 - 2e-3 ** 0.5))
-    assert link.wait_s(0.0) == pytest.approx(max(0.0, 0.8e-3 - b * 2e-3 ** 0.5))
-    assert Link(1e9, 1e-4, wait_curve=((2e-3, 0.8e-3),)).wait_s(10e-3) == pytest.approx(0.8e-3)
-    shrinking = Link(1e9, 1e-4, wait_curve=((2e-3, 1.0e-3), (10e-3, 0.6e-3)))
-    assert shrinking.wait_s(2e-3) == shrinking.wait_s(10e-3) == pytest.approx(0.8e-3)
-    assert Link(1e9, 1e-4).wait_s(10e-3) == 0.0 and link.wait_s(None) == 0.0
-
-
-def test_measured_waits_follow_each_strategys_gap_and_fsdps_path_is_added_per_message():
-    """DDP's one all-reduce waits after a whole step's work, FSDP's nine messages after a ninth each; FSDP2's
-    own host path (measured per message) is added to each of its messages, and to no other strategy's."""
-    from rayvit.projection.performance import step_gap
-
-    curve = [[2e-3, 0.8e-3], [10e-3, 1.4e-3]]
-    links = {"backend": "gloo", "world_size": 2, "nodes": 1, "memory_bw": 10e9, "shared_host_slowdown": 1.0,
-             "host_wait_s": 0.8e-3, "host_wait_curve": curve, "collective_path_s": {"fsdp": 0.5e-3},
-             "collectives": {k: {"latency_s": 0.9e-3, "transfer_latency_s": 0.1e-3, "busbw": 1e9} for k in
-                             ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")}}
-    profile = with_measured_links(cpu_profile(), links)
-    link = profile.link("all_gather", 2)
-    assert link.latency_s == pytest.approx(0.1e-3) and link.wait_curve == ((2e-3, 0.8e-3), (10e-3, 1.4e-3))
-    rate = ComputeRate(seconds_per_image=0.6e-3, source="given")
-    for strategy, path in (("ddp", 0.0), ("fsdp", 0.5e-3), ("fairscale_oss", 0.0)):
-        cfg = load_config(DEFAULT, [f"parallel.strategy={strategy}"])
-        p = project(cfg, 2, profile, rate, peak=1e12)
-        msgs = comms.step_messages(cfg, 2)
-        gap = step_gap(p.compute_s + p.optimizer_s, msgs)
-        assert gap == pytest.approx((p.compute_s + p.optimizer_s) / len(msgs))
-        expected = sum(0.1e-3 + link.wait_s(gap) + path + comms.bus_factor(m.kind, 2) * m.bytes / 1e9 for m in msgs)
-        assert p.exposed_comm_s == pytest.approx(expected), strategy        # overlap 0 on CPU: all exposed
-    ddp = project(load_config(DEFAULT), 2, profile, rate, peak=1e12)
-    assert ddp.exposed_comm_s - ddp.comm_s == pytest.approx(0) and ddp.exposed_comm_s > 0.1e-3 + 0.8e-3
-    # Links without a curve (older links.json) keep their flat wait inside the latency.
-    flat = with_measured_links(cpu_profile(), {**links, "host_wait_curve": None})
-    assert flat.link("all_gather", 2).latency_s == pytest.approx(0.9e-3)
-    assert flat.link("all_gather", 2).wait_s(10e-3) == 0.0
-
-
-def test_the_sweeps_links_lines_show_transfer_latencies_the_wait_curve_and_fsdps_path():
-    from rayvit.projection.profiles import describe_links as describe
-
-    kinds = {"all_reduce": {"latency_s": 1.1e-3, "transfer_latency_s": 0.2e-3, "busbw": 1.8e9}}
-    links = {"backend": "gloo", "world_size": 2, "nodes": 1, "shared_host_slowdown": 1.03, "memory_bw": 17e9,
-             "seconds": 2.3, "host_wait_s": 0.9e-3, "host_waits_during_rounds": [[[2e-3, 0.9e-3], [10e-3, 1.2e-3]]],
-             "host_wait_curve": [[2e-3, 0.9e-3], [10e-3, 1.2e-3]], "collective_path_s": {"fsdp": 0.5e-3},
-             "collectives": kinds}
-    lines = describe(links).splitlines()
-    assert lines[0].endswith("2.3 s):") and "slowdown 1.03" in lines[0]
-    assert lines[1].split() == ["all_reduce", "latency", "200", "us", "busbw", "1.80", "GB/s"]
-    assert lines[2].endswith("(read between the rounds): 900 us after 2 ms, 1200 us after 10 ms")
-    assert lines[3] == "  fsdp's own host path per collective (beyond its one-rank path): 500 us"
-    # Older links (no curve): one flat wait, inside each latency.
-    old = describe({**links, "host_wait_curve": None, "collective_path_s": {}}).splitlines()
-    assert old[0].endswith("latency includes 900 us waiting for the slowest rank (read between the rounds):")
-    assert old[1].split()[2] == "1100" and len(old) == 2
-
-
-def test_measured_links_override_the_profile_within_their_span():
-    links = {"backend": "nccl", "world_size": 16, "nodes": 2, "shared_host_slowdown": 1.0,
-             "collectives": {"all_reduce": {"latency_s": 1e-4, "busbw": 5e9}}}
-    profile = with_measured_links(get_profile("a100-40gb"), links)
-    assert profile.link("all_reduce", 64).busbw == 5e9           # across nodes: measured
-    assert profile.link("all_reduce", 8).busbw == 225e9          # inside a node: NVLink, from the profile
-    # Not measured: EFA, 50 GB/s x 0.8, x 0.96 for the network's load at 8 nodes (2% per doubling past 2).
-    assert profile.link("all_gather", 64).busbw == pytest.approx(40e9 * 0.96)
-
-
-# Every name rayvit.training.hardware.accelerator_for_name returns (the PEAK_TFLOPS keys), reached from
-# the CUDA device names the chips report, with their memory as CUDA gives it (bytes).
-DEVICES = [("Tesla V100-SXM2-16GB", 16.9e9, "V100", "v100-16gb"), ("Tesla V100-SXM2-32GB", 34.1e9, "V100", "v100-32gb"),
-           ("NVIDIA A100-SXM4-40GB", 42.3e9, "A100", "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 85.1e9, "A100", "a100-80gb"),
-           ("NVIDIA A100 80GB PCIe", 85.1e9, "A100", "a100-80gb"), ("NVIDIA H100 80GB HBM3", 85.0e9, "H100", "h100-sxm"),
-           ("NVIDIA H100 PCIe", 85.0e9, "H100 PCIe", "h100-pcie"), ("NVIDIA H100 NVL", 99.9e9, "H100 NVL", "h100-nvl"),
-           ("NVIDIA H200", 150.1e9, "H200", "h200"), ("NVIDIA H200 NVL", 150.1e9, "H200 NVL", "h200-nvl"),
-           ("NVIDIA GH200 480GB", 102.0e9, "GH200", "gh200"), ("NVIDIA GH200 144G HBM3e", 153.0e9, "GH200", "gh200-144gb")]
-
-
-@pytest.mark.parametrize("device_name, memory_bytes, accelerator, profile_name", DEVICES)
-def test_every_known_gpu_variant_has_a_profile_of_its_own(device_name, memory_bytes, accelerator, profile_name):
-    import warnings
-
-    from rayvit.projection.profiles import profile_for_accelerator
-    from rayvit.training.hardware import PEAK_TFLOPS, accelerator_for_name
-
-    assert accelerator_for_name(device_name) == accelerator
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")                     # a known chip is never "unknown"
-        profile = profile_for_accelerator(accelerator, memory_bytes)
-    assert profile.name == profile_name and profile.accelerator == accelerator
-    assert profile.peak_flops("bf16") == PEAK_TFLOPS[accelerator]["bf16"] * 1e12
-    assert profile.memory_gib == pytest.approx(memory_bytes / 2 ** 30, rel=0.05)   # the device's size
-    # Eight GPUs per node, but a GH200 superchip is a node of its own.
-    assert profile.overlap == 0.9 and profile.chips_per_node == (1 if accelerator == "GH200" else 8)
-    assert profile.reserved_gib > 0
-    # Without a memory size, a chip sold in several sizes falls back to its smallest variant, and says so.
-    if accelerator in ("A100", "V100", "GH200"):
-        from rayvit.projection.profiles import UnknownMemoryWarning
-
-        with pytest.warns(UnknownMemoryWarning, match="device_memory_bytes"):
-            assert profile_for_accelerator(accelerator).accelerator == accelerator
-    else:
-        assert profile_for_accelerator(accelerator).accelerator == accelerator
-
-
-def test_every_accelerator_name_is_covered_and_variants_differ():
-    from rayvit.projection.profiles import PROFILES, profile_for_accelerator
-    from rayvit.training.hardware import PEAK_TFLOPS
-
-    assert {d[2] for d in DEVICES} == set(PEAK_TFLOPS)
-    # Every profile but the fabric variants, which a user names (dgx-a100: an A100 80GB on HDR InfiniBand).
-    assert {d[3] for d in DEVICES} == set(PROFILES) - {"dgx-a100"}
-    assert profile_for_accelerator("A100", 42.3e9).name == "a100-40gb"
-    assert profile_for_accelerator("A100", 85.1e9).memory_bw > profile_for_accelerator("A100", 42.3e9).memory_bw
-    sxm, pcie, nvl = (get_profile(n) for n in ("h100-sxm", "h100-pcie", "h100-nvl"))
-    assert sxm.link("all_reduce", 8).busbw > nvl.link("all_reduce", 8).busbw == pcie.link("all_reduce", 8).busbw
-    # The NVL cards' NVLink bridges carry collectives within a bridged pair (H100 NVL) or four (H200 NVL).
-    assert nvl.link("all_gather", 2).busbw == 225e9 and nvl.link("all_gather", 4).busbw == 48e9
-    assert get_profile("h200-nvl").link("all_gather", 4).busbw == 337.5e9
-    assert profile_for_accelerator("cpu").name == profile_for_accelerator(None).name == "cpu"
-
-
-def test_a_gh200_is_never_read_as_an_h200():
-    """'NVIDIA GH200 480GB' contains 'H200': names are compared word by word, so it gets its own entry."""
-    from rayvit.accelerators import accelerator_for_name
-    from rayvit.projection.profiles import profile_for_accelerator
-
-    assert accelerator_for_name("NVIDIA GH200 480GB") == "GH200"
-    assert accelerator_for_name("NVIDIA H200") == "H200" and accelerator_for_name("NVIDIA H200 NVL") == "H200 NVL"
-    assert accelerator_for_name("NVIDIA H100 80GB HBM3") == "H100" and accelerator_for_name("NVIDIA L4") is None
-    profile = profile_for_accelerator("GH200", 102.0e9)
-    assert profile.name == "gh200" and profile.memory_bw == 4000e9 and profile.memory_gib == 96.0
-
-
-def test_an_unknown_gpu_gets_a_generic_gpu_profile_with_a_warning_never_the_cpu_one():
-    from rayvit.projection.profiles import UnknownAcceleratorWarning, profile_for_accelerator
-
-    with pytest.warns(UnknownAcceleratorWarning, match="'NVIDIA L4'"):
-        profile = profile_for_accelerator("NVIDIA L4", 24.0 * 2 ** 30)
-    assert profile.name == "gpu" and profile.accelerator == "NVIDIA L4" and profile.memory_gib == 24.0
-    assert profile.overlap == 0.9 and profile.peak_flops("bf16") is None and profile.reserved_gib > 0
-
-    # In a sweep: the device's memory and the links the microbenchmark measured.
-    cfg = load_config(overrides=["parallel.use_gpu=true", "parallel.num_workers=2"])
-    links = {"backend": "nccl", "world_size": 2, "nodes": 1, "device_name": "NVIDIA L4",
-             "device_memory_bytes": 23.6 * 2 ** 30, "memory_bw": 250e9,
-             "collectives": {"all_reduce": {"latency_s": 3e-5, "busbw": 20e9}}}
-    with pytest.warns(UnknownAcceleratorWarning):
-        profile = sweep_profile(cfg, [{"accelerator": "NVIDIA L4"}], links)
-    assert profile.name == "gpu" and profile.memory_gib == pytest.approx(23.6) and profile.memory_bw == 250e9
-    assert profile.link("all_reduce", 2).busbw == 20e9
-    # A GPU sweep with nothing known about its chip yet is still projected as a GPU.
-    with pytest.warns(UnknownAcceleratorWarning):
-        assert sweep_profile(cfg, [], None).overlap == 0.9
-    assert sweep_profile(cfg, [{"accelerator": "A100"}], {**links, "device_name": "A100",
-                                                           "device_memory_bytes": 85.1e9}).name == "a100-80gb"
-    # Without links the points' own conditions say which variant they ran on.
-    rows = [{"accelerator": "A100", "device_memory_bytes": 85.1e9}]
-    assert sweep_profile(cfg, rows, None).name == "a100-80gb"
-    assert sweep_profile(cfg, [{"accelerator": "A100", "device_memory_bytes": 42.3e9}], None).name == "a100-40gb"
-
-
-def test_fit_link_recovers_latency_and_bus_bandwidth():
-    n, latency, busbw = 4, 2e-4, 3e9
-    points = [[b, latency + comms.bus_factor("all_gather", n) * b / busbw] for b in (2 ** 16, 2 ** 20, 2 ** 24)]
-    fit = fit_link(points, "all_gather", n)
-    assert fit["latency_s"] == pytest.approx(latency)
-    assert fit["busbw"] == pytest.approx(busbw)
-
-
-def test_the_wait_for_the_slowest_rank_is_one_figure_pooled_over_kinds_and_sizes():
-    in_step = {"all_gather": [[1e4, 1.2e-3], [1e6, 2.0e-3]], "all_reduce": [[1e4, 1.4e-3], [1e6, 2.6e-3]]}
-    aligned = {"all_gather": [[1e4, 0.2e-3], [1e6, 1.0e-3]], "all_reduce": [[1e4, 0.2e-3], [1e6, 1.8e-3]]}
-    assert host_wait(in_step, aligned) == pytest.approx(1.0e-3)
-    assert host_wait(aligned, in_step) == 0.0          # never negative
-
-
-def _links_with_waits(rank):
-    import torch
-
-    torch.set_num_threads(1)        # as a sweep's workers: see _links_with_curves_and_paths
-    read = wait_probe(torch.device("cpu"), repeats=10)
-    links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "host_waits": [1e-3, 3e-3]})
-    return read, links
-
-
-def _links_with_curves_and_paths(rank):
-    import torch
-
-    from rayvit.measure.timers import wait_curve
-
-    # One thread per rank, as a sweep's workers have (cpus_per_worker): two ranks of two OpenMP threads on
-    # two cores spin on each other, and the 10-ms segments' matmuls then took up to 50 s.
-    torch.set_num_threads(1)
-    curve = wait_curve(torch.device("cpu"), seconds_each=0.05)
-    cfgs = [load_config(DEFAULT, [f"parallel.strategy={s}"]).to_dict() for s in ("ddp", "fsdp")]
-    links = worker_benchmark({"sizes": [2 ** 14, 2 ** 18], "repeats": 3, "strategy_configs": cfgs,
-                              "host_waits": [[[2e-3, 1e-3], [10e-3, 2e-3]], [[2e-3, 3e-3], [10e-3, 4e-3]]]})
-    from rayvit.measure.paths import PATH_PROBES
-
-    # bf16 gathers from fp32 shards, with the LayerNorm groups of their own that `mixed` adds.
-    mixed = PATH_PROBES["fsdp"](load_config(DEFAULT, ["parallel.strategy=fsdp", "precision.mode=mixed",
-                                                         "precision.dtype=bf16"]), torch.device("cpu"))
-    return curve, links, mixed
-
-
-@pytest.mark.slow
-def test_links_carry_the_wait_curve_read_between_rounds_and_fsdps_own_path(tmp_path):
-    """Between rounds the workers read the wait after 2 and 10 ms of compute; the links average those
-    readings, keep each kind's transfer latency apart, and measure FSDP2's host path per collective (a
-    strategy without one, DDP, gets none)."""
-    (curve, links, mixed), (_, nothing, _) = two_ranks(tmp_path, _links_with_curves_and_paths)
-    assert [g for g, _ in curve] == [2e-3, 10e-3] and all(w >= 0 for _, w in curve) and nothing == {}
-    assert [g for g, _ in links["host_wait_curve"]] == [2e-3, 10e-3]
-    assert [w for _, w in links["host_wait_curve"]] == pytest.approx([2e-3, 3e-3])
-    assert links["host_wait_s"] == pytest.approx(2e-3)
-    assert set(links["collective_path_s"]) == {"fsdp"} and links["collective_path_s"]["fsdp"] > 0
-    assert mixed > 0
-    profile = with_measured_links(cpu_profile(), links)
-    for kind, link in links["collectives"].items():
-        assert profile.link(kind, 2).latency_s == pytest.approx(link["transfer_latency_s"])
-        assert profile.link(kind, 2).wait_s(10e-3) == pytest.approx(3e-3)
-    assert profile.collective_path_s == links["collective_path_s"]
-
-
-@pytest.mark.slow
-def test_links_carry_the_wait_read_between_rounds_in_every_latency(tmp_path):
-    (read, links), (other, nothing) = two_ranks(tmp_path, _links_with_waits)
-    assert read >= 0 and other >= 0 and nothing == {}
-    assert links["host_wait_s"] == pytest.approx(2e-3) and links["host_waits_during_rounds"] == [1e-3, 3e-3]
-    assert links["host_wait_microbenchmark_s"] >= 0
-    for kind, link in links["collectives"].items():
-        # The transfer is fitted on the barrier-aligned medians; the wait is added once, to every kind.
-        assert link["latency_s"] == pytest.approx(link["transfer_latency_s"] + 2e-3)
-        assert link == {**fit_link(link["aligned_points"], kind, 2), "transfer_latency_s": link["transfer_latency_s"],
-                        "latency_s": link["latency_s"], "points": link["points"],
-                        "aligned_points": link["aligned_points"]}
-    profile = with_measured_links(cpu_profile(), links)
-    assert profile.link("all_gather", 2).latency_s == pytest.approx(links["collectives"]["all_gather"]["latency_s"])
-
-
 def test_memory_fit_and_largest_batch():
     cfg = load_config(STUDY, ["parallel.strategy=ddp"])
     a100 = get_profile("a100-40gb")
@@ -533,7 +287,7 @@ def test_each_strategys_own_overhead_is_measured_at_its_smallest_point_and_carri
     from rayvit.studies.plan import Point
     from rayvit.studies.runner import Outcome
 
-    from shared import make_result
+    from helpers_results import make_result
 
     links = {"backend": "gloo", "world_size": 2, "nodes": 1, "memory_bw": 10e9, "shared_host_slowdown": 1.2,
              "collectives": {k: {"latency_s": 1e-3, "busbw": 0.7e9} for k in

@@ -10,7 +10,7 @@ import re
 
 import rayvit.trainer
 
-from shared import REPO
+from helpers_cli import REPO
 
 PUBLIC_MODULES = {"rayvit.config", "rayvit.trainer", "rayvit.datasets"}
 

@@ -1,6 +1,6 @@
 """The projection's physics: GEMMs against a published matmul table, chips against each other, attention
-kernels, NCCL's latency terms, the wait for the slowest of N chips, and FSDP2's padding rule at 2 real
-gloo ranks and at large N."""
+kernels, NCCL's latency terms, the wait for the slowest of N chips, and FSDP2's padding rule at large N (at
+2 real gloo ranks: tests/system/test_projection_at_two_ranks.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from rayvit.projection.performance import (contention_s, expected_max, exposed_c
 from rayvit.projection.profiles import cpu_profile, get_profile
 from rayvit.strategies.shapes import vit_tensors
 
-from shared import two_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = ROOT / "experiments/configs/study_a100.yaml"
@@ -245,42 +244,6 @@ def test_fsdp2_padding_follows_its_chunking_rule_at_large_n():
         assert chunk_rows(pos.shape[0], n, 0) * n < pos.shape[0] + n
     assert gathers[0].bytes < 0.02e9                                 # was 2.7 GB at 512 chips
 
-
-def _fsdp2_shards(rank):
-    import torch
-
-    from rayvit.worker import Session
-
-    torch.set_num_threads(1)
-    cfg = load_config(DEFAULT, ["parallel.strategy=fsdp", "parallel.num_workers=2", "train.steps=2",
-                                "train.warmup_steps=1"])
-    session = Session(cfg)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        names = {id(p): n for n, p in session.model.named_parameters()}
-        out = {}
-        for module in session.model.modules():
-            if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
-                    for p in group.fsdp_params:
-                        out[names[id(p.sharded_param)]] = (tuple(p.sharded_size), tuple(p.padded_sharded_param_size))
-        return out
-    finally:
-        session.close()
-
-
-@pytest.mark.slow
-def test_fsdp2_shards_at_two_gloo_ranks_are_what_the_projection_counts(tmp_path):
-    ranks = two_ranks(tmp_path, _fsdp2_shards)
-    cfg = load_config(DEFAULT, ["parallel.strategy=fsdp"])
-    tensors = {t.name: t for t in vit_tensors(cfg.model)}
-    assert set(ranks[0]) == set(tensors)
-    for rank, shards in enumerate(ranks):
-        for name, (sharded, padded) in shards.items():
-            t = tensors[name]
-            assert sharded[0] == chunk_rows(t.shape[0], 2, rank) and padded[0] == chunk_rows(t.shape[0], 2, 0), name
-    assert ranks[0]["pos_embed"][1] == (33, 64)                      # 65 rows -> 2 x 33, not 2 x (1, 65, 64)
 
 
 def test_the_gpu_links_benchmark_times_small_messages_too():

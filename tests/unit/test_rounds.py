@@ -24,7 +24,9 @@ from rayvit.studies.plan import plan, worker_groups
 from rayvit.studies.sweep import sweep_table
 from rayvit.worker.rounds import measure_rounds, round_order
 
-from shared import CONFIGS, config, make_result
+from helpers_cli import CONFIGS
+from helpers_data import config
+from helpers_results import make_result
 
 
 # -- the interleaving order -------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from rayvit.studies.outcome import Outcome, Verdict
 from rayvit.studies.plan import Point, plan_search
 from rayvit.studies.search.judge import accuracy_excess, best_outcome, judge, time_to_accuracy
 
-from shared import CONFIGS, REPO, QUICK, SEARCH_CPU
+from helpers_cli import CONFIGS, REPO, QUICK, SEARCH_CPU
 
 
 

@@ -1,6 +1,6 @@
 """A strategy is one module and a registry line: a throwaway ``ddp_zero1`` (ZeRO-1 over DDP, in
-``_ddp_zero1.py``), registered for these tests only, is validated, trains, and is projected and drawn, with
-nothing else in rayvit changed."""
+``tests/helpers_ddp_zero1.py``), registered for these tests only, is validated, trains, and is projected and
+drawn, with nothing else in rayvit changed (at two ranks: tests/system/test_projection_at_two_ranks.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from rayvit.strategies.shapes import vit_tensors
 from rayvit.record.plots import strategy_colour
 from rayvit.strategies import STRATEGIES
 
-from _ddp_zero1 import DDPZero1, zero_owner
-from shared import flag_apart, spied, two_ranks, vit_b16
+from helpers_ddp_zero1 import SHORT, DDPZero1, zero_owner
+from helpers_projection import vit_b16
 
 DEFAULT = Path(__file__).resolve().parents[2] / "experiments/configs/cpu_default.yaml"
-SHORT = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "model.depth=2"]
 
 
 @pytest.fixture
@@ -81,44 +80,3 @@ def test_the_projection_costs_it_from_its_class(zero1):
     assert mine.optimizer_s < theirs.optimizer_s and mine.exposed_comm_s > theirs.exposed_comm_s
     assert mine.memory.total < theirs.memory.total
     assert strategy_colour("ddp_zero1") == DDPZero1.colour
-
-
-def _step(rank: int) -> dict:
-    """On one of two ranks: the (kind, bytes) of every all-reduce and broadcast of the third step (DDP has
-    rebuilt its buckets by then), and the model-state bytes this rank holds. torch's own all-reduce hook
-    sends DDP's fp32 buckets through ``dist.all_reduce``, where they can be seen."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from rayvit.worker import Session
-
-    STRATEGIES[DDPZero1.name] = DDPZero1           # the registry line, in this process
-    session = Session(load_config(DEFAULT, ["parallel.strategy=ddp_zero1", *SHORT]))
-    session.model.register_comm_hook(None, default_hooks.allreduce_hook)
-    sent: list = []
-
-    def record(name, args, kwargs):
-        tensor = args[0] if args else kwargs["tensor"]
-        sent.append((name, tensor.numel() * tensor.element_size()))
-
-    flags: list = []
-    try:
-        for _ in range(3):
-            sent.clear()
-            with spied(record, "all_reduce", "broadcast"), flag_apart(sent, flags):
-                session.clear_grads()
-                session.train_step()
-        return {"sent": sorted(sent), "state": session.model_state_bytes(), "flags": flags}
-    finally:
-        session.close()
-
-
-@pytest.mark.slow
-def test_at_two_ranks_it_sends_and_holds_what_its_cost_model_says(zero1, tmp_path):
-    ranks = two_ranks(tmp_path, _step)
-    cfg = load_config(DEFAULT, ["parallel.strategy=ddp_zero1", "parallel.num_workers=2", *SHORT])
-    projected = sorted((m.kind, m.bytes) for m in comms.step_messages(cfg, 2))
-    for r in ranks:
-        assert r["flags"] == [[("all_reduce", 8)]] * 3        # the finite-loss flag, after each step's clock
-        assert [k for k, _ in r["sent"]] == [k for k, _ in projected]
-        assert sum(b for _, b in r["sent"]) == sum(b for _, b in projected)
-    assert [s.total for s in memory.model_state(cfg, 2, per_rank=True)] == [r["state"] for r in ranks]

@@ -17,7 +17,7 @@ from rayvit.config import load_study
 from rayvit.errors import ConfigError
 from rayvit.studies.plan import plan
 
-from shared import cli_env, CONFIGS, SCRIPT
+from helpers_cli import cli_env, CONFIGS, SCRIPT
 
 
 

@@ -18,7 +18,7 @@ from rayvit.studies.plan import plan
 from rayvit.studies.runner import Outcome
 from rayvit.studies.sweep import rows_of, sweep_table
 
-from shared import PNG_MAGIC, make_result
+from helpers_results import PNG_MAGIC, make_result
 
 @pytest.fixture
 def store(mlflow_store, monkeypatch):

@@ -11,8 +11,8 @@ import torch
 
 from rayvit.data import build_data, ray_datasets
 
-from shared import (CPU, WHOLE_IMAGES, Counted, checkpointed_after, config, export_photos_parquet, sample_key,
-                    take, train_steps)
+from helpers_data import CPU, WHOLE_IMAGES, config, export_photos_parquet, sample_key, take
+from helpers_sessions import Counted, checkpointed_after, train_steps
 
 REPO = Path(__file__).resolve().parents[3]
 

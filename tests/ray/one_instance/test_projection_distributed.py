@@ -17,7 +17,7 @@ from rayvit.projection import memory
 from rayvit.strategies.shapes import vit_tensors
 from rayvit.strategies import fairscale_oss as oss
 
-from shared import reduce_dtype
+from helpers_projection import reduce_dtype
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "experiments/configs/cpu_default.yaml"

@@ -15,9 +15,9 @@ from rayvit.results import RunResult
 from rayvit.launch.torch_trainer import check_cluster_fits
 from rayvit.trainer import ClusterTooSmall, TrainingError, fit, load_checkpoint, make_trainer
 
-from shared import ProcessSnapshot
+from helpers_process import ProcessSnapshot
 
-from shared import export_photos_parquet
+from helpers_data import export_photos_parquet
 
 
 @pytest.fixture(scope="module", autouse=True)

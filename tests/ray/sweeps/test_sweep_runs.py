@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,83 +32,8 @@ import pytest
 from mlflow import MlflowClient
 
 import browser
-from clusters import ReadToEnd, clean_env, running_head
 
-from shared import cli_env, FEW_STEPS, SCRIPT
-
-
-# -- planning ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """The default sweep's store and environment: a fresh root, as a user's first run finds it."""
-    root = tmp_path_factory.mktemp("sweeps")
-    return root, cli_env(root)
-
-
-class _DefaultSweep(ReadToEnd):
-    """The default sweep's process (``ReadToEnd``); once it has exited with status 0 (and a browser test
-    can run here), the reading thread starts ``mlflow server`` over its store (``ui``), which the browser
-    test waits for instead of starting it."""
-
-    def __init__(self, proc: subprocess.Popen, uri: str, ui_root: Path):
-        self.ui = browser.MlflowServer(uri, ui_root)
-        super().__init__(proc, then=self._serve)
-
-    def _serve(self, _) -> None:
-        if self.proc.returncode == 0 and browser.missing() is None:
-            self.ui.start()
-
-    def result(self, timeout: float) -> subprocess.CompletedProcess:
-        self.finish(timeout)
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out, self.err)
-
-    def close(self) -> None:
-        self.stop()
-        self.ui.stop()
-
-
-@pytest.fixture(scope="module")
-def _default_sweep_started(store, tmp_path_factory):
-    """The default sweep, started in the background as soon as a test of this module needs it or the
-    module's head (it mostly waits on its local instance's start-up and on its worker groups, which the
-    other tests' commands fill), with no address: it starts a local instance of its own. Killed at the
-    module's end if no test waited for it; the MLflow server over its store is stopped then too."""
-    root, env = store
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--name", "default", *FEW_STEPS], env=env, cwd="/",
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sweep = _DefaultSweep(proc, env["MLFLOW_TRACKING_URI"], tmp_path_factory.mktemp("ui"))
-    try:
-        yield sweep
-    finally:
-        sweep.close()
-
-
-@pytest.fixture(scope="module")
-def shared_head(tmp_path_factory, _default_sweep_started):
-    """A ``ray start`` head the other CLI runs attach to. Its ``ray_current_cluster`` file is in its own
-    temp dir, so the default sweep, running meanwhile with no address, never finds it."""
-    token = secrets.token_hex(32)
-    with running_head(tmp_path_factory.mktemp("head"), clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
-                      prefix="rvsw") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def _attached_store(tmp_path_factory, _mlflow_template):
-    """The attached runs' store, apart from the default sweep's (two commands write at once): a copy of
-    the session's empty store, its tables already made."""
-    root = tmp_path_factory.mktemp("attached-sweeps")
-    shutil.copyfile(_mlflow_template, root / "mlflow.db")
-    return root, cli_env(root)
-
-
-@pytest.fixture
-def attached(_attached_store, shared_head):
-    """A CLI environment attached to the module's head (its address and token), with its own store."""
-    root, env = _attached_store
-    return root, {**env, "RAY_ADDRESS": shared_head.address, "RAY_AUTH_TOKEN": shared_head.env["RAY_AUTH_TOKEN"]}
+from helpers_cli import FEW_STEPS, SCRIPT
 
 
 def run_cli(env, *args, timeout=400):
@@ -129,15 +52,6 @@ def _parent(client, experiment, sweep):
     runs = client.search_runs([exp.experiment_id], f"tags.`rayvit.sweep` = '{sweep}' and tags.`rayvit.kind` = 'sweep'")
     assert len(runs) == 1
     return runs[0]
-
-
-@pytest.fixture(scope="module")
-def default_sweep(store, _default_sweep_started):
-    root, env = store
-    proc = _default_sweep_started.result(timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(f"default sweep: {time.monotonic() - _default_sweep_started.start:.0f} s")
-    return proc, MlflowClient(env["MLFLOW_TRACKING_URI"])
 
 
 @pytest.mark.slow
@@ -345,42 +259,38 @@ def test_default_sweep_prints_progress_table_and_ui_command(default_sweep, store
     assert "measured on the workers of ddp/w2, fsdp/w2, fairscale_oss/w2 after their training" in out
 
 
-@pytest.mark.slow
-def test_default_sweep_store(default_sweep, tmp_path):
-    _, client = default_sweep
-    parent = _parent(client, "cpu_default", "default")  # experiment named after the config file
-    assert parent.info.status == "FINISHED"
-    assert parent.data.params["sweep.worker_counts"] == "[1, 2]"
-    children = _children(client, parent.info.run_id)
-    assert sorted(c.data.tags["rayvit.point"] for c in children) == sorted(
-        f"{s}/w{n}" for s in ("ddp", "fsdp", "fairscale_oss") for n in (1, 2))
-    for child in children:
-        tags, n = child.data.tags, int(child.data.tags["world_size"])
-        assert child.info.status == "FINISHED"
-        assert tags["strategy"] == child.data.params["parallel.strategy"]
-        assert {"accelerator", "torch_version", "ray_version", "mlflow_version"} <= set(tags)
-        assert child.data.params["train.steps"] == "6" and child.data.params["model.hidden_dim"] == "64"
-        assert child.data.metrics["tflops_per_chip"] > 0
-        # Medians over 3 rounds, each figure with its 95% interval.
-        m = child.data.metrics
-        assert m["rounds"] == 3 and m["timed_steps"] == 3 * 4
-        for key in ("images_per_sec_per_chip", "tflops_per_chip", "mfu", "step_time_mean_s", "speedup_vs_ddp"):
-            assert m[f"{key}_lo"] <= m[key] <= m[f"{key}_hi"], key
-        assert tags["rayvit.verdict"] in ("DDP", "faster than DDP", "slower than DDP", "within noise of DDP")
-        # Summary figures at step = chips (overlaid across children in MLflow's compare view) ...
-        assert [m.step for m in client.get_metric_history(child.info.run_id, "tflops_per_chip")] == [n]
-        # ... and the per-step history of the run itself.
-        assert len(client.get_metric_history(child.info.run_id, "loss")) == 6
-        # Peak memory: the max over ranks, each rank's at step = rank; no GPU figures on CPU.
-        by_rank = client.get_metric_history(child.info.run_id, "peak_memory_bytes_by_rank")
-        assert sorted(m.step for m in by_rank) == list(range(n))
-        assert child.data.metrics["peak_memory_bytes_per_rank"] == max(m.value for m in by_rank)
-        assert not [k for k in child.data.metrics if k.startswith("gpu_")]
-        # Its projection beside it, from the sweep's own DDP 1-worker rate and the measured gloo links.
-        assert child.data.metrics["projected_images_per_sec_per_chip"] > 0
-        assert child.data.metrics["projected_model_state_bytes_per_rank"] == child.data.metrics[
-            "model_state_bytes_per_rank"]
-    # Curves on the parent: one history per strategy, step = number of chips.
+def _check_point_run(client, child) -> None:
+    """One point's MLflow run: its tags and parameters, its medians over 3 rounds with their intervals, its
+    summary figures at step = chips beside its per-step history, its peak memory by rank, its projection."""
+    tags, n = child.data.tags, int(child.data.tags["world_size"])
+    assert child.info.status == "FINISHED"
+    assert tags["strategy"] == child.data.params["parallel.strategy"]
+    assert {"accelerator", "torch_version", "ray_version", "mlflow_version"} <= set(tags)
+    assert child.data.params["train.steps"] == "6" and child.data.params["model.hidden_dim"] == "64"
+    assert child.data.metrics["tflops_per_chip"] > 0
+    # Medians over 3 rounds, each figure with its 95% interval.
+    m = child.data.metrics
+    assert m["rounds"] == 3 and m["timed_steps"] == 3 * 4
+    for key in ("images_per_sec_per_chip", "tflops_per_chip", "mfu", "step_time_mean_s", "speedup_vs_ddp"):
+        assert m[f"{key}_lo"] <= m[key] <= m[f"{key}_hi"], key
+    assert tags["rayvit.verdict"] in ("DDP", "faster than DDP", "slower than DDP", "within noise of DDP")
+    # Summary figures at step = chips (overlaid across children in MLflow's compare view) ...
+    assert [m.step for m in client.get_metric_history(child.info.run_id, "tflops_per_chip")] == [n]
+    # ... and the per-step history of the run itself.
+    assert len(client.get_metric_history(child.info.run_id, "loss")) == 6
+    # Peak memory: the max over ranks, each rank's at step = rank; no GPU figures on CPU.
+    by_rank = client.get_metric_history(child.info.run_id, "peak_memory_bytes_by_rank")
+    assert sorted(m.step for m in by_rank) == list(range(n))
+    assert child.data.metrics["peak_memory_bytes_per_rank"] == max(m.value for m in by_rank)
+    assert not [k for k in child.data.metrics if k.startswith("gpu_")]
+    # Its projection beside it, from the sweep's own DDP 1-worker rate and the measured gloo links.
+    assert child.data.metrics["projected_images_per_sec_per_chip"] > 0
+    assert child.data.metrics["projected_model_state_bytes_per_rank"] == child.data.metrics[
+        "model_state_bytes_per_rank"]
+
+
+def _check_sweep_curves(client, parent) -> None:
+    """The curves on the sweep's run (one history per strategy, step = number of chips) and its curve runs."""
     pid = parent.info.run_id
     for strategy in ("ddp", "fsdp", "fairscale_oss"):
         history = client.get_metric_history(pid, f"tflops_per_chip/{strategy}")
@@ -394,13 +304,9 @@ def test_default_sweep_store(default_sweep, tmp_path):
     curve_runs = client.search_runs([parent.info.experiment_id], f"tags.`rayvit.sweep_run` = '{pid}'")
     assert {c.data.tags["series"] for c in curve_runs} == {"ddp", "fsdp", "fairscale_oss"}
 
-    names = {f.path for f in client.list_artifacts(pid)}
-    assert {"config.yaml", "results.parquet", "scaling.png", "links.json", "projection.png"} <= names
-    links = json.loads(Path(client.download_artifacts(pid, "links.json", str(tmp_path))).read_text())
-    assert links["backend"] == "gloo" and links["world_size"] == 2
-    # ... measured on the 2-worker group's workers after their rounds, with no worker group of their own.
-    assert parent.data.tags["rayvit.links_measured_on"] == "ddp/w2, fsdp/w2, fairscale_oss/w2"
-    # Each point's result.json keeps its rounds: step times and places in the rotated order.
+
+def _check_point_rounds(client, children, tmp_path) -> None:
+    """Each point's result.json keeps its rounds: step times and places in the rotated order."""
     for c in children:
         folder = tmp_path / c.info.run_id
         folder.mkdir()
@@ -412,9 +318,11 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert [len(r["data_wait_times"]) for r in result["rounds"]] == [4, 4, 4]
         metrics = c.data.metrics
         assert 0 <= metrics["data_wait_fraction_lo"] <= metrics["data_wait_fraction"] <= metrics["data_wait_fraction_hi"] < 0.05
-    table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
-    assert table.num_rows == 6
-    rows = table.to_pylist()
+
+
+def _check_results_table(rows: list[dict]) -> None:
+    """The sweep's results.parquet: six finished points, each speedup the median of its rounds' ratios."""
+    assert len(rows) == 6
     assert {r["status"] for r in rows} == {"done"}
     assert all(r["model"] and r["precision"] == "fp32" and r["batch_per_chip"] == 16 for r in rows)
     ddp = {r["world_size"]: r for r in rows if r["strategy"] == "ddp"}
@@ -429,6 +337,32 @@ def test_default_sweep_store(default_sweep, tmp_path):
         assert r["peak_memory_bytes_per_rank"] == max(r["peak_memory_bytes_by_rank"]) > 50 * 2**20
         assert r["gpu_utilization_pct"] is None and r["memory_measure"] == "process_rss"
         assert 0 <= r["data_wait_fraction"] < 0.05 and r["data_wait_fraction_hi"] is not None
+
+
+@pytest.mark.slow
+def test_default_sweep_store(default_sweep, tmp_path):
+    _, client = default_sweep
+    parent = _parent(client, "cpu_default", "default")  # experiment named after the config file
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["sweep.worker_counts"] == "[1, 2]"
+    children = _children(client, parent.info.run_id)
+    assert sorted(c.data.tags["rayvit.point"] for c in children) == sorted(
+        f"{s}/w{n}" for s in ("ddp", "fsdp", "fairscale_oss") for n in (1, 2))
+    for child in children:
+        _check_point_run(client, child)
+    _check_sweep_curves(client, parent)
+    pid = parent.info.run_id
+
+    names = {f.path for f in client.list_artifacts(pid)}
+    assert {"config.yaml", "results.parquet", "scaling.png", "links.json", "projection.png"} <= names
+    links = json.loads(Path(client.download_artifacts(pid, "links.json", str(tmp_path))).read_text())
+    assert links["backend"] == "gloo" and links["world_size"] == 2
+    # ... measured on the 2-worker group's workers after their rounds, with no worker group of their own.
+    assert parent.data.tags["rayvit.links_measured_on"] == "ddp/w2, fsdp/w2, fairscale_oss/w2"
+    _check_point_rounds(client, children, tmp_path)
+    table = pq.read_table(client.download_artifacts(pid, "results.parquet", str(tmp_path)))
+    assert table.num_rows == 6
+    _check_results_table(table.to_pylist())
     png = Path(client.download_artifacts(pid, "scaling.png", str(tmp_path)))
     assert png.read_bytes()[:4] == b"\x89PNG"
 

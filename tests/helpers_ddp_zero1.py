@@ -25,6 +25,9 @@ from rayvit.training.optim import optimizer_spec, param_groups
 from rayvit.strategies.base import rank
 from rayvit.strategies.ddp import DDP
 
+# A short run of it: six steps of a two-block ViT at batch 4.
+SHORT = ["train.steps=6", "train.warmup_steps=1", "train.batch_size=4", "model.depth=2"]
+
 
 def zero_owner(tensors: list[Tensor], world: int) -> dict[str, int]:
     """ZeroRedundancyOptimizer's partition of rayvit's two parameter groups (decayed first)."""
