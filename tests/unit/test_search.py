@@ -243,7 +243,7 @@ def test_the_screen_projects_with_the_profile_of_the_device_it_timed(monkeypatch
 def test_screened_order_trains_best_first_and_stops_once_a_feasible_trial_beats_every_remaining_screen():
     from ray.tune.search import Searcher
 
-    from rayvit.studies.search.session import SearchSession, registered, session_named
+    from rayvit.studies.search.search_session import SearchSession, registered, session_named
     from rayvit.studies.search.trials import FEASIBLE_KEY, TRIAL_KEY
     from rayvit.studies.search.tuner import Entry, ScreenedOrder
 
@@ -370,7 +370,7 @@ def test_sigterm_during_the_trials_stops_them_and_exits_143_sigint_130():
     import signal as signals
 
     from rayvit.studies.search import SearchInterrupted
-    from rayvit.studies.search.session import SearchSession, Signals, registered
+    from rayvit.studies.search.search_session import SearchSession, Signals, registered
     from rayvit.studies.search.tuner import InterruptStop
 
     session = SearchSession("signals-test", plan_search(load_study(SEARCH_CPU)), lambda line: None)

@@ -20,7 +20,7 @@ from rayvit.studies.plan import SearchPlan, setting_label
 from rayvit.studies.runner import StudyRun, print_where, with_interval
 from rayvit.studies.search.judge import best_outcome, speedup
 from rayvit.studies.search.screen import ScreenReport, Screened, saved_estimate
-from rayvit.studies.search.session import SearchSession
+from rayvit.studies.search.search_session import SearchSession
 
 
 @dataclasses.dataclass

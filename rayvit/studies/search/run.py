@@ -2,7 +2,7 @@
 
 The steps are those of :mod:`rayvit.studies.search`; this module keeps their order and what happens
 when one fails or a signal arrives. What the search knows while it runs is its
-:class:`~rayvit.studies.search.session.SearchSession`.
+:class:`~rayvit.studies.search.search_session.SearchSession`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rayvit.studies.runner import Progress, StudyRun, attach_ray, with_interval
 from rayvit.studies.search import screen, trials, tuner
 from rayvit.studies.search.judge import BaselineFailed, SearchInterrupted, against_baseline, judge
 from rayvit.studies.search.report import SearchReport, finish_report, progress_line, record_outcome
-from rayvit.studies.search.session import SearchSession, Signals, registered
+from rayvit.studies.search.search_session import SearchSession, Signals, registered
 
 # Trial drivers ask for a sliver of the head node's marker resource: they do no training, so they need
 # no CPU, and the head node is the one least likely to be preempted (the Ray Train + Tune guide

@@ -24,7 +24,7 @@ from rayvit.studies.outcome import Outcome, is_divergence
 from rayvit.studies.plan import Point, SearchPlan
 from rayvit.studies.runner import Progress
 from rayvit.studies.search.judge import accuracy_excess, judge, objective_value
-from rayvit.studies.search.session import SearchSession, running
+from rayvit.studies.search.search_session import SearchSession, running
 
 # What a trial's final tune.report carries besides the figures.
 STATUS_KEY = "rayvit_status"      # done | diverged | failed (absent: stopped before its final report)
@@ -143,7 +143,7 @@ def trial_outcome(plan: SearchPlan, label: str, setting: dict[str, Any], last: d
 
 class TrialRecorder(tune.Callback):
     """Tune callback on the driver: a line when a trial starts; when it ends, its outcome, handed to the
-    search's session (:meth:`~rayvit.studies.search.session.SearchSession.conclude`: judged against the
+    search's session (:meth:`~rayvit.studies.search.search_session.SearchSession.conclude`: judged against the
     baseline, recorded in MLflow, a line)."""
 
     def __init__(self, name: str):

@@ -9,7 +9,7 @@
   leave reserved (ray-project/ray#54305, through :mod:`rayvit.launch.compat`).
 
 Tune pickles searchers, stoppers and callbacks into its experiment state: they hold the search's name
-and find the driver's :class:`~rayvit.studies.search.session.SearchSession` by it.
+and find the driver's :class:`~rayvit.studies.search.search_session.SearchSession` by it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from rayvit.config_schema import Config, SearchConfig
 from rayvit.launch import compat
 from rayvit.studies.search.judge import speedup
 from rayvit.studies.search.screen import stop_reason
-from rayvit.studies.search.session import SearchSession, session_named
+from rayvit.studies.search.search_session import SearchSession, session_named
 from rayvit.studies.search.trials import EXCESS_KEY, FEASIBLE_KEY, TRIAL_KEY
 
 logger = logging.getLogger(__name__)
