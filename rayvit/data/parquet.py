@@ -45,6 +45,7 @@ class ParquetSource:
     filesystem: pafs.FileSystem
     files: list[str]       # paths inside ``filesystem``, sorted
     where: str             # ``key=path`` as the user gave it, for messages
+    sizes: Optional[list[int]] = None   # each file's bytes, as listed
 
 
 def is_uri(path: str) -> bool:
@@ -93,13 +94,13 @@ def parquet_files(path: str, key: str = "data.path",
     try:
         info = fs.get_file_info(inner)
         if info.type == pafs.FileType.File:
-            return ParquetSource(fs, [inner], where)
+            return ParquetSource(fs, [inner], where, [info.size or 0])
         if info.type == pafs.FileType.Directory:
             found = fs.get_file_info(pafs.FileSelector(inner, recursive=True))
-            files = sorted(f.path for f in found if f.type == pafs.FileType.File
+            files = sorted((f.path, f.size or 0) for f in found if f.type == pafs.FileType.File
                            and f.base_name.endswith(".parquet") and not f.base_name.startswith((".", "_")))
             if files:
-                return ParquetSource(fs, files, where)
+                return ParquetSource(fs, [f for f, _ in files], where, [size for _, size in files])
             raise ConfigError(f"{where} is a folder with no .parquet files")
     except (OSError, pa.ArrowException) as e:
         reason = _reason(e)
@@ -277,8 +278,9 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
     absolute: Train workers run in another directory). Missing files, columns, credentials or too many
     classes are reported here, before any worker starts.
     """
-    import ray.data
     from ray.data import FileShuffleConfig
+
+    from rayvit.data.ray_read import read_parquet
 
     d = cfg.data
     info = parquet_info(cfg, filesystem)  # fails fast on missing files, columns or too many classes
@@ -286,9 +288,8 @@ def ray_datasets(cfg: Config, filesystem: Optional[pafs.FileSystem] = None) -> d
 
     def read(path: str, key: str, **kwargs: Any) -> "ray.data.Dataset":
         source = sources[key] = parquet_files(path, key, filesystem)
-        # include_paths: each row's file, so that a corrupt image can be named by file and row.
-        return ray.data.read_parquet(source.files, filesystem=source.filesystem, include_paths=True,
-                                     columns=[d.image_column, d.label_column], **kwargs)
+        # Each row's file (its path), so that a corrupt image can be named by file and row.
+        return read_parquet(source, [d.image_column, d.label_column], d.progress_bars, **kwargs)
 
     if d.val_path:
         # File order is reshuffled every epoch (seeded; a new seed per execution).

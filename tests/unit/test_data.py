@@ -284,3 +284,17 @@ def test_dataset_columns_are_named_when_they_are_not_images_and_labels():
     with pytest.raises(ConfigError, match=r"has no column 'image' \(columns: img \(binary\), y \(int64\)\); .*"
                                           r"data.image_column='image'"):
         check_columns(["img", "y"], [pa.binary(), pa.int64()], cfg)
+
+
+def test_ray_data_read_tasks_spread_small_data_over_the_cpus_and_keep_large_files_whole(digits_parquet):
+    from rayvit.data.parquet import parquet_files
+    from rayvit.data.ray_read import read_tasks, source_bytes
+
+    mb = 10 ** 6
+    assert read_tasks(10, 140 * mb, cpus=2) == 8          # 4 per CPU, not Ray 2.60's 2 bins of 128 MiB
+    assert read_tasks(10, 140 * mb, cpus=96) == 10        # never more than the files: a file is not split
+    assert read_tasks(1, 140 * mb, cpus=8) == 1
+    assert read_tasks(1024, 1024 * 140 * mb, cpus=2) == 1024      # ImageNet's scale: one file a task
+    assert read_tasks(4096, 4096 * 10 * mb, cpus=2) == 306         # small files grouped to at most 128 MiB
+    source = parquet_files(str(digits_parquet))
+    assert source.sizes == [os.path.getsize(f) for f in source.files] and source_bytes(source) == sum(source.sizes)
