@@ -14,12 +14,19 @@ is running (it samples files in Ray tasks then), with one task per file or per g
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 if TYPE_CHECKING:
+    import pyarrow.fs
     import ray.data
 
-    from rayvit.data.parquet import ParquetSource
+
+class ParquetFiles(Protocol):
+    """What a read needs of a listing (``rayvit.data.parquet.ParquetSource`` is one)."""
+
+    files: list[str]
+    filesystem: "pyarrow.fs.FileSystem"
+    sizes: Optional[list[int]]
 
 TASKS_PER_CPU = 4                 # read tasks per CPU (waves that even out tasks of unequal length)
 MAX_TASK_BYTES = 128 * 1024 ** 2  # Ray Data's own ceiling on a read's bytes (its target_max_block_size)
@@ -34,7 +41,7 @@ def read_tasks(files: int, total_bytes: int, cpus: int) -> int:
     return max(1, min(files, max(TASKS_PER_CPU * max(1, cpus), by_size)))
 
 
-def read_parquet(source: "ParquetSource", columns: list[str], progress_bars: bool,
+def read_parquet(source: ParquetFiles, columns: list[str], progress_bars: bool,
                  **kwargs: Any) -> "ray.data.Dataset":
     """``ray.data.read_parquet`` of ``source``'s files (with each row's ``path``), in :func:`read_tasks`
     tasks sized to the running cluster's CPUs; without Ray running, Ray Data's default reader (which
@@ -58,7 +65,7 @@ def read_parquet(source: "ParquetSource", columns: list[str], progress_bars: boo
         context.use_datasource_v2, context.enable_progress_bars = before
 
 
-def source_bytes(source: "ParquetSource") -> int:
+def source_bytes(source: ParquetFiles) -> int:
     """The bytes of ``source``'s files (from the listing, else asked of the filesystem)."""
     if source.sizes is not None:
         return sum(source.sizes)
