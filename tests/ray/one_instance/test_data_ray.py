@@ -52,6 +52,31 @@ def test_ray_data_path_feeds_build_data_from_shards(local_ray, digits_parquet):
     assert torch.allclose(epochs[0][0][0].amin(dim=(0, 2, 3)), next(local.train)[0].amin(dim=(0, 2, 3)))
 
 
+def test_parquet_is_read_in_tasks_sized_to_the_cpus_quietly_leaving_the_callers_settings(local_ray, digits_parquet,
+                                                                                      capfd):
+    """With Ray running the files are read through Ray Data's file-per-task reader (read tasks sized to the
+    cluster's CPUs, rayvit.data.ray_read); its sampling prints nothing unless data.progress_bars, and the
+    process's DataContext and Ray Data's loggers are as they were."""
+    import logging
+
+    from ray.data import DataContext
+
+    from rayvit.data.ray_read import read_tasks
+
+    sampling_log = logging.getLogger("ray.data._internal.datasource.parquet_datasource")
+    context = DataContext.get_current()
+    before = (context.use_datasource_v2, context.enable_progress_bars, sampling_log.level)
+    capfd.readouterr()
+    train = ray_datasets(config("data.name=parquet", f"data.path={digits_parquet}", "model.image_size=16"))["train"]
+    out, err = capfd.readouterr()
+    assert "parquet encoding ratio" not in out + err and "reader batch size" not in out + err
+    assert (context.use_datasource_v2, context.enable_progress_bars, sampling_log.level) == before
+    files = sorted(Path(digits_parquet).rglob("*.parquet"))
+    size = sum(f.stat().st_size for f in files)
+    stats = train.materialize().stats()          # 4 files, 3 CPUs: one read-and-decode task a file
+    assert read_tasks(len(files), size, 3) == len(files) and f"{len(files)} tasks executed" in stats, stats
+
+
 def test_ray_data_split_shards_are_disjoint_across_ranks(local_ray, digits_parquet):
     """Two ranks reading a streaming split (as Ray Train hands them out) see disjoint train rows."""
     from concurrent.futures import ThreadPoolExecutor
