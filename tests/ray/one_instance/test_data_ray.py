@@ -173,8 +173,8 @@ def test_a_run_resumed_on_ray_data_starts_its_input_afresh_draws_nothing_to_skip
 
 
 def test_each_epochs_start_is_booked_apart_from_the_steady_wait_for_data(local_ray, tmp_path):
-    """200 photographs (12 steps an epoch at batch 16: every epoch a new Ray Data execution whose first
-    batch waits for it to start and fill its shuffle buffer) against the same images repeated 15 times
+    """200 photographs (12 steps an epoch at batch 16: every epoch a new Ray Data execution, whose first
+    batch may wait for it to start and fill its shuffle buffer) against the same images repeated 15 times
     (3,000 rows: no epoch starts inside the timed steps): the epoch starts are recorded apart
     (epoch_start_wait_fraction, each such step marked in the history), and the steady per-step
     data_wait_fraction of the short epochs is within a few points of the long one's."""
@@ -207,7 +207,12 @@ def test_each_epochs_start_is_booked_apart_from_the_steady_wait_for_data(local_r
     assert starts == [0, 12, 24, 36]
     assert short["epoch_start_wait_fraction"] > 0 and short["epoch_start_wait_s"] > 0
     assert "epoch_start_wait_fraction" not in long.metrics           # its one epoch start was a warm-up step
-    steady = [h["data_wait_s"] for h in short.history[4:] if not h["epoch_start"]]
-    assert max(steady) < short["epoch_start_wait_s"]
+    # Each timed epoch start's wait is booked in the epoch-start figures, not in the steady wait: whatever it
+    # costs (starting the next epoch's execution early and reading a file a task, it can be as short as a
+    # steady step's; with Ray's default reader it was 0.3 s).
+    timed = [h for h in short.history if h["step"] >= 4]
+    waits_at_starts = [h["data_wait_s"] for h in timed if h["epoch_start"]]
+    assert len(waits_at_starts) == 3 and all(w > 0 for w in waits_at_starts)
+    assert short["epoch_start_wait_s"] == pytest.approx(sum(waits_at_starts) / 3, rel=1e-6)
     assert abs(short["data_wait_fraction"] - long["data_wait_fraction"]) < 0.05, (
         short["data_wait_fraction"], long["data_wait_fraction"], short["epoch_start_wait_fraction"])
